@@ -215,6 +215,10 @@ class TuningConfig:
         "pairs by expert in one Triton program (kernels/moe_triton.expert_sort: the order, the rows they read and "
         "each expert's offsets) in place of the radix sort's, the count's, its sum's and the division's kernels; "
         "the same order (stable). Off until timed on a GPU"))
+    moe_grouped_act: bool = field(default=False, metadata=_knob(
+        "with moe_grouped_gather, the Triton grouped gate|up kernel computes the gated activation as its epilogue (its "
+        "programs take gate and up rows side by side) in place of the [M, 2I] products and the activation kernel "
+        "after them; the same roundings. Off until timed on a GPU"))
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))

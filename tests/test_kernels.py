@@ -65,13 +65,14 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once), for
     MXFP4 weights with 8x the mean rows; a bad knob is a ConfigError. At 128 it compiles for sm90 within a program's
     shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes); so do its form that reads and writes
-    rows by index and the one-kernel sum of a token's rows (moe_grouped_gather), and the one-program sort of the pairs
-    by expert (moe_expert_sort)."""
+    rows by index and the one-kernel sum of a token's rows (moe_grouped_gather), with the activation as gate|up's
+    epilogue (moe_grouped_act), and the one-program sort of the pairs by expert (moe_expert_sort)."""
     pytest.importorskip("triton")
     from triton_compile import compile_for_sm90, compiled_for_sm90
 
     from atlas.config import ConfigError, TuningConfig
     from atlas.kernels import moe_triton, settings
+    from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU
     from atlas.kernels.moe_triton import grouped_block_m
 
     before = settings.tuning
@@ -113,6 +114,16 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
                                         IEEE=False, GATHER=True, SCATTER=True, **fmt),
                                    num_warps=moe_triton.GROUPED_NUM_WARPS)
         assert "ld.global" in kernel.asm["ptx"] and 0 < kernel.metadata.shared <= 227 * 1024, w
+        # (gate|up with gpt-oss's clamped SwiGLU and a bias as its epilogue, the moe_grouped_act knob)
+        kernel = compiled_for_sm90(moe_triton._moe_matmul_grouped_kernel,
+                                   {"x_ptr": "*bf16", "w_ptr": w, "y_ptr": "*bf16", "s_ptr": s, "rows_ptr": "*i64",
+                                    "b_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"},
+                                   dict(BLOCK_M=64, BLOCK_N=moe_triton.GROUPED_BLOCK_N, BLOCK_K=moe_triton.GROUPED_BLOCK_K,
+                                        NUM_STAGES=moe_triton.GROUPED_NUM_STAGES, EVEN_N=True, EVEN_K=True,
+                                        IEEE=False, GATHER=True, HAS_BIAS=True, ACT=ACT_CLAMPED_SWIGLU, LIBDEVICE=True,
+                                        **fmt),
+                                   num_warps=moe_triton.GROUPED_NUM_WARPS)
+        assert "ex2" in kernel.asm["ptx"] and 0 < kernel.metadata.shared <= 227 * 1024, w
     # (and the routing weights' sum of a token's rows that follows it, without FMA contraction)
     ptx = compile_for_sm90(moe_triton._moe_combine_kernel, {"y_ptr": "*bf16", "rw_ptr": "*fp32", "out_ptr": "*bf16"},
                            dict(TOPK=4, BLOCK_D=1024, PDL=0), enable_fp_fusion=False)

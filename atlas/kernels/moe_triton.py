@@ -335,11 +335,16 @@ def _moe_matmul_grouped_kernel(
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, PAIRS: tl.constexpr = 0,
     HAS_BIAS: tl.constexpr = False, b_ptr=None, stride_be=0, GATHER: tl.constexpr = False, rows_ptr=None,
-    SCATTER: tl.constexpr = False, out_rows_ptr=None,
+    SCATTER: tl.constexpr = False, out_rows_ptr=None, ACT: tl.constexpr = -1, LIBDEVICE: tl.constexpr = False,
+    alpha=1.0, limit=0.0,
 ):
     """y rows offsets[e] .. offsets[e + 1] through expert e (moe_grouped_matmul). GATHER: sorted row m is x's row
     rows_ptr[m]; SCATTER: it is stored as y's row out_rows_ptr[m] (the moe_grouped_gather knob: no copies of the rows
-    into expert order and back)."""
+    into expert order and back). ACT >= 0 (an ACT_* code; W is [gate | up], N = 2 I): a program's W rows are gate
+    and up interleaved (gemv_triton.gate_up_rows) and y [M, I] is the gated activation of the rounded (and biased)
+    products, gated_pair's rounding after each operation, as fused_ops' activation kernel after this one computes it
+    (the moe_grouped_act knob)."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
     expert = tl.program_id(1)
     start = tl.load(offsets_ptr + expert).to(tl.int32)
     end = tl.load(offsets_ptr + expert + 1).to(tl.int32)
@@ -349,6 +354,9 @@ def _moe_matmul_grouped_kernel(
         x_chunk = x_ptr + tl.cast(m0, tl.int64) * stride_xm  # (m0: a plain int in the interpreter)
         offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
             x_chunk, w_expert, end - m0, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+        if ACT >= 0:  # (gate and up rows side by side: the epilogue holds both halves of its columns)
+            offs_n, n_ok = gate_up_rows(tl.program_id(0), N, BLOCK_N, ACT)
+            w_rows = w_expert + offs_n.to(tl.int64)[:, None] * stride_wn
         if GATHER:
             src = tl.load(rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
             x_rows = x_ptr + src[:, None] * stride_xm
@@ -373,16 +381,27 @@ def _moe_matmul_grouped_kernel(
                 acc = _accumulate(acc, x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn,
                                   stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K,
                                   BLOCK_N, BLOCK_K, True, IEEE)
-        out = acc.to(y_ptr.dtype.element_ty)
+        out = acc.to(DT)
         if HAS_BIAS:  # (the expert's bias row onto the rounded product, rounded again: the product then an add)
             b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
-            out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(y_ptr.dtype.element_ty)
-        if SCATTER:
-            dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
-            y = y_ptr + dst[None, :] * stride_ym + offs_n[:, None]
+            out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(DT)
+        if ACT >= 0:
+            gate, up = tl.split(tl.reshape(tl.trans(out.to(tl.float32)), [BLOCK_M, BLOCK_N // 2, 2]))
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            if SCATTER:
+                dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
+            else:
+                dst = tl.cast(m0, tl.int64) + offs_m
+            tl.store(y_ptr + dst[:, None] * stride_ym + cols[None, :],
+                     gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit).to(DT),
+                     mask=m_ok[:, None] & (cols < N // 2)[None, :])
         else:
-            y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y, out, mask=m_ok[None, :] & n_ok[:, None])
+            if SCATTER:
+                dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
+                y = y_ptr + dst[None, :] * stride_ym + offs_n[:, None]
+            else:
+                y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
+            tl.store(y, out, mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -709,7 +728,8 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        num_stages: int = GROUPED_NUM_STAGES, scale: torch.Tensor | None = None,
                        block: tuple[int, int] | None = None, block_m: int | None = None,
                        bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                       out_rows: torch.Tensor | None = None, act: int | None = None, alpha: float = 1.0,
+                       limit: float | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
     offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
     [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32].
@@ -717,7 +737,9 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     y[m] = w[e] @ x[m] rounded, plus bias[e], rounded (as the product and then an add of the gathered bias rows, bit
     for bit, without the gather's [M, N] rows and the add's launch). rows [M] (integer): the sorted rows are
     x[rows] (x any number of rows), read in place; out_rows [M] (a permutation of 0 .. M - 1): sorted row m is
-    returned as y[out_rows[m]]. The same numbers as the index_select before and the index_copy_ after, bit for bit."""
+    returned as y[out_rows[m]]. The same numbers as the index_select before and the index_copy_ after, bit for bit.
+    act (an ACT_* code of fused_ops_triton, with alpha and limit as moe_pairs_gate_up_act takes them): w is
+    [gate | up] and y [M, N / 2] the gated activation of each row's products (the kernel's docstring)."""
     (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     e, n = w.shape[:2]
     m = x.shape[0] if rows is None else rows.numel()
@@ -729,7 +751,8 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         offsets.shape, offsets.dtype)
     assert bias is None or (bias.shape == (e, n) and bias.dtype == x.dtype and bias.stride(1) == 1), (
         None if bias is None else (bias.shape, bias.dtype, bias.stride()))
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert act is None or (n % 2 == 0 and block_n % 2 == 0), (act, n, block_n)
+    y = torch.empty(m, n if act is None else n // 2, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     block_k = _block_k(min(block_k, max(16, triton.next_power_of_2(k))), fp8)  # (tl.dot wants K tiles of 16 or more)
@@ -742,6 +765,7 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         stride_be=0 if bias is None else bias.stride(0), GATHER=rows is not None,
         rows_ptr=rows if rows is not None else offsets, SCATTER=out_rows is not None,
         out_rows_ptr=out_rows if out_rows is not None else offsets, **fp8,
+        ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, alpha=float(alpha), limit=float(limit or 0.0),
     )
     return y
 
