@@ -385,23 +385,18 @@ def _moe_matmul_grouped_kernel(
         if HAS_BIAS:  # (the expert's bias row onto the rounded product, rounded again: the product then an add)
             b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
             out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(DT)
+        if SCATTER:
+            dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
+        else:
+            dst = tl.cast(m0, tl.int64) + offs_m
         if ACT >= 0:
             gate, up = tl.split(tl.reshape(tl.trans(out.to(tl.float32)), [BLOCK_M, BLOCK_N // 2, 2]))
             cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            if SCATTER:
-                dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
-            else:
-                dst = tl.cast(m0, tl.int64) + offs_m
             tl.store(y_ptr + dst[:, None] * stride_ym + cols[None, :],
                      gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit).to(DT),
                      mask=m_ok[:, None] & (cols < N // 2)[None, :])
         else:
-            if SCATTER:
-                dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
-                y = y_ptr + dst[None, :] * stride_ym + offs_n[:, None]
-            else:
-                y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
-            tl.store(y, out, mask=m_ok[None, :] & n_ok[:, None])
+            tl.store(y_ptr + dst[None, :] * stride_ym + offs_n[:, None], out, mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
