@@ -18,3 +18,16 @@ cuda_tests() {
   echo "$name tests exit $?; $(grep -E "[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests_$name.log" | tail -n 1)"
   grep -E "^FAILED|^ERROR" "$OUT/tests_$name.log" | head
 }
+
+# latency_rows NAME MODEL_DIR BATCHES [atlas bench latency args...]: `atlas bench latency` of a --config-only
+# checkpoint with dummy weights (128 tokens in, 64 out, 3 timed passes after 1), its JSON in $OUT/NAME.json and log in
+# $OUT/NAME.log, one line printed: [(batch, ms a step, of the roofline), ...].
+latency_rows() {
+  local name=$1 model=$2 batches=$3; shift 3
+  timeout 120 python3 -m atlas.cli bench latency --model "$model" \
+    --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85 --max-model-len 4096 --peer none \
+    --batch-size "$batches" --input-len 128 --output-len 64 --num-iters 3 --num-iters-warmup 1 \
+    --output-json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? at ${SECONDS}s; $(python3 -c "import json,sys; print([(r['batch_size'], round(r['ms_per_step'], 3), \
+round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" "$OUT/$name.json" 2>/dev/null)"
+}

@@ -11,15 +11,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 for s in gpt-oss-20b qwen3-30b-a3b deepseek-v2-lite; do
   python3 tools/make_random_checkpoint.py --shape $s --out /tmp/$s --config-only > /dev/null
 done
-lat() {  # NAME MODEL BATCHES [extra args...]
-  local name=$1 model=$2 batches=$3; shift 3
-  timeout 120 python3 -m atlas.cli bench latency --model /tmp/$model \
-    --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85 --max-model-len 4096 --peer none \
-    --batch-size $batches --input-len 128 --output-len 64 --num-iters 3 --num-iters-warmup 1 \
-    --output-json $OUT/$name.json "$@" > $OUT/$name.log 2>&1
-  echo "$name: exit $? at ${SECONDS}s; $(python3 -c "import json,sys; print([(r['batch_size'], round(r['ms_per_step'], 3), \
-round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/$name.json 2>/dev/null)"
-}
+lat() { latency_rows "$1" "/tmp/$2" "${@:3}"; }  # NAME MODEL BATCHES [extra args...] (tools/device_site.sh)
 S="--tuning moe_expert_sort=1"; A="--tuning moe_grouped_act=1"; B="--tuning moe_expert_sort=1,moe_grouped_act=1"
 lat oss_off1 gpt-oss-20b 64,256; lat oss_sort1 gpt-oss-20b 64,256 $S; lat oss_act1 gpt-oss-20b 64,256 $A
 lat oss_both1 gpt-oss-20b 64,256 $B; lat oss_off2 gpt-oss-20b 64,256; lat oss_both2 gpt-oss-20b 64,256 $B
