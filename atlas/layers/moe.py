@@ -736,14 +736,12 @@ class FusedExperts(nn.Module):
         # (the kernel adds the expert biases onto its rounded products: the gather and add kernels' numbers)
         if settings.tuning.moe_grouped_gather:  # (rows read and written by index: no copies in expert order)
             order, rows, groups = self._sort_rows(ids)
-            bias13 = self._expert_bias(self.w13)
-            if settings.tuning.moe_grouped_act:  # (the activation as gate|up's epilogue: no [M, 2I] products)
-                act, alpha, limit = self._fused_activation()
-                h = moe_grouped_matmul(x, self.w13, groups, bias=bias13, rows=rows, act=act, alpha=alpha,
-                                       limit=limit, **self.scales(self.w13))
-            else:
-                h = self._activate(moe_grouped_matmul(x, self.w13, groups, bias=bias13, rows=rows,
-                                                      **self.scales(self.w13)), None, bias_added=True)
+            epilogue = settings.tuning.moe_grouped_act  # (the activation in gate|up's kernel: no [M, 2I] products)
+            act = dict(zip(("act", "alpha", "limit"), self._fused_activation(), strict=True)) if epilogue else {}
+            h = moe_grouped_matmul(x, self.w13, groups, bias=self._expert_bias(self.w13), rows=rows, **act,
+                                   **self.scales(self.w13))
+            if not epilogue:
+                h = self._activate(h, None, bias_added=True)
             y = moe_grouped_matmul(h, self.w2, groups, bias=self._expert_bias(self.w2), out_rows=order,
                                    **self.scales(self.w2))
             return moe_combine(y, weights.float(), x.dtype)
