@@ -286,15 +286,21 @@ class TuningConfig:
         "multiplies, as bf16 bits, its halves to float32 by a shift and a mask, x times 2^63 once a step: the bits "
         "form's sums times 2^-63 bit for bit while |x| lies within 2^-62 .. 2^65; 0.213 warp instructions a weight "
         "against bits' 0.250 on sm_90; gpt-oss-20b's batch-1 step 2.229 / 2.235 ms against bits' 2.333 / 2.336 on "
-        "an H100; gpt-oss's activations lie well within that range). The same products, summed in another order in "
-        "the word forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
+        "an H100; gpt-oss's activations lie well within that range); in the gate|up columns and down choices kernels "
+        "only, pairs-fma (pairs' decode, each thread's products summed as a chain of fused multiply-adds) or "
+        "words-fma (W's int32 words, each code's float32 bits by a mask, a multiply and a mask, no byte extracted, "
+        "fused multiply-adds): 0.175 / 0.207 warp instructions a weight for gate|up / down against pairs' 0.208 / "
+        "0.214 (sm_90, Triton 3.6; not yet timed on a GPU). The same products, summed in another order in the word "
+        "and FMA forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
         "Triton 3.6: 513 / 458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 "
         "(words) and 3.01 (e4m3) at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_row_steps: str = field(default="", metadata=_knob(
         "the MXFP4 row tiles' step per kernel, in place of moe_mxfp4_row_runs, one stage and moe_mxfp4_decode (for "
-        "measuring configs in the model): KERNEL:RUNS:STAGES:DECODE[;...] with KERNEL gate_up or down, RUNS 0 (the "
-        "step that pads least), 16, 32, 64 or 128 (warps = runs / 16), STAGES 1-3, DECODE bits, words or e4m3, e.g. "
-        "gate_up:16:1:e4m3;down:64:2:bits (checked when the engine starts); empty = those knobs"))
+        "measuring configs in the model): KERNEL:RUNS:STAGES:DECODE[:WARPS][;...] with KERNEL gate_up or down, RUNS 0 "
+        "(the step that pads least), 16, 32, 64 or 128 (warps = runs / 16), STAGES 1-3, DECODE one of "
+        "moe_mxfp4_decode's forms, WARPS a program's warps in the gate|up columns and down choices kernels (1-16, "
+        "powers of two), e.g. gate_up:16:1:e4m3;down:64:2:bits or down:0:1:words-fma:4 (checked when the engine "
+        "starts); empty = those knobs"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "
@@ -387,8 +393,8 @@ class TuningConfig:
                 raise ConfigError(f"tuning {name} must be at least 1, got {getattr(self, name)}")
         if self.moe_grouped_block_m not in (0, 16, 32, 64, 128):
             raise ConfigError(f"tuning moe_grouped_block_m must be 0, 16, 32, 64 or 128, got {self.moe_grouped_block_m}")
-        if self.moe_mxfp4_decode not in ("bits", "words", "e4m3", "pairs"):
-            raise ConfigError(f"tuning moe_mxfp4_decode must be bits, words, e4m3 or pairs, got "
+        if self.moe_mxfp4_decode not in ("bits", "words", "e4m3", "pairs", "pairs-fma", "words-fma"):
+            raise ConfigError(f"tuning moe_mxfp4_decode must be bits, words, e4m3, pairs, pairs-fma or words-fma, got "
                               f"{self.moe_mxfp4_decode!r}")
         if self.moe_mxfp4_gate_up_cols not in (0, 2, 4, 8):
             raise ConfigError(f"tuning moe_mxfp4_gate_up_cols must be 0, 2, 4 or 8, got {self.moe_mxfp4_gate_up_cols}")

@@ -63,12 +63,14 @@ ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), 
                   dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"), dict(moe_mxfp4_down_choices=False),
                   dict(moe_mxfp4_decode="bits", moe_mxfp4_gate_up_cols=0),
                   dict(moe_mxfp4_decode="bits", moe_mxfp4_down_choices=False), dict(moe_mxfp4_gate_up_cols=8),
-                  dict(moe_mxfp4_gate_up_cols=0))
+                  dict(moe_mxfp4_gate_up_cols=0), dict(moe_mxfp4_decode="words-fma"),
+                  dict(moe_mxfp4_row_steps="gate_up:0:1:words-fma:8;down:0:1:pairs-fma:4"),
+                  dict(moe_mxfp4_row_steps="gate_up:0:2:pairs-fma;down:0:2:words-fma:4", moe_mxfp4_gate_up_cols=8))
 # (the interpreter, CI's time: every step width, decode form and kernel still, eight calls a kernel where CUDA takes
 # twelve)
 INTERPRETER_ROW_TILE_KNOBS = ({}, dict(moe_mxfp4_row_runs=64, moe_mxfp4_decode="words"),
-                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-7:-3],
-                              ROW_TILE_KNOBS[-1])
+                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-10:-6],
+                              ROW_TILE_KNOBS[-4], *ROW_TILE_KNOBS[-2:])
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -303,7 +305,8 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     tol, failures = TOLERANCE[dtype], []
     # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
     for fused, row_tiles, decode in ((True, False, "bits"), (False, False, "bits"), (True, True, "bits"),
-                                     (True, True, "words"), (True, True, "e4m3"), (True, True, "pairs")):
+                                     (True, True, "words"), (True, True, "e4m3"), (True, True, "pairs"),
+                                     (True, True, "words-fma")):
         with settings.tuned(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles, moe_mxfp4_decode=decode):
             dtype = torch.bfloat16 if row_tiles else dtype
             tol = TOLERANCE[dtype]

@@ -61,7 +61,7 @@ def test_the_row_steps_knob_sets_each_kernels_step_stages_and_decode():
     malformed entry is refused by name when the settings take effect."""
     from atlas.config import ConfigError, TuningConfig
     from atlas.kernels import settings
-    from atlas.kernels.moe_triton import mxfp4_row_config
+    from atlas.kernels.moe_triton import mxfp4_program_warps, mxfp4_row_config
 
     assert mxfp4_row_config("gate_up", 2880) == mxfp4_row_config("down", 2880) == (32, 2, 1, "pairs")
     with settings.tuned(moe_mxfp4_row_steps="down:128:2:e4m3", moe_mxfp4_decode="words", moe_mxfp4_row_runs=64):
@@ -70,10 +70,39 @@ def test_the_row_steps_knob_sets_each_kernels_step_stages_and_decode():
     with settings.tuned(moe_mxfp4_row_steps=" gate_up:0:3:bits ; down:16:1:words"):
         assert mxfp4_row_config("gate_up", 2880) == (32, 2, 3, "bits")
         assert mxfp4_row_config("down", 2880) == (16, 1, 1, "words")
-    for bad in ("down:48:1:bits", "down:64:4:bits", "down:64:1:fp4", "up:64:1:bits", "down:64:1"):
+    with settings.tuned(moe_mxfp4_row_steps="down:0:1:words-fma:4"):  # (a program's warps, the fifth field)
+        assert mxfp4_row_config("down", 2880) == (32, 2, 1, "words-fma")
+        assert mxfp4_program_warps("down", 8) == 4 and mxfp4_program_warps("gate_up", 4) == 4
+    assert mxfp4_program_warps("down", 8) == 8
+    for bad in ("down:48:1:bits", "down:64:4:bits", "down:64:1:fp4", "up:64:1:bits", "down:64:1", "down:0:1:bits:3",
+                "down:0:1:bits:4:1"):
         with pytest.raises(ConfigError, match="moe_mxfp4_row_steps"):
             settings.set_kernel_settings(TuningConfig.parse(f"moe_mxfp4_row_steps={bad}"))
     assert settings.tuning.moe_mxfp4_row_steps == ""  # (a refused setting leaves the ones in effect)
+
+
+def test_the_fma_decodes_are_refused_outside_their_kernels():
+    """pairs-fma and words-fma run in the gate|up columns kernel and the down choices kernel only: with either turned
+    off the launch is refused by name (not run in another form)."""
+    from atlas.config import ConfigError
+    from atlas.kernels import settings
+    from atlas.kernels.fused_ops_triton import ACT_SILU
+    from atlas.kernels.moe_triton import moe_pairs_down_combine, moe_pairs_gate_up_act
+
+    e, hid, inter = 2, 64, 32
+    w13 = torch.zeros(e, 2 * inter, hid // 2, dtype=torch.uint8)
+    s13 = torch.full((e, 2 * inter, hid // 32), 127, dtype=torch.uint8)
+    w2 = torch.zeros(e, hid, inter // 2, dtype=torch.uint8)
+    s2 = torch.full((e, hid, inter // 32), 127, dtype=torch.uint8)
+    x, h = torch.zeros(1, hid, dtype=torch.bfloat16), torch.zeros(2, inter, dtype=torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1]]), torch.full((1, 2), 0.5)
+    for decode in ("pairs-fma", "words-fma"):
+        with settings.tuned(moe_mxfp4_decode=decode, moe_mxfp4_gate_up_cols=0), pytest.raises(
+                ConfigError, match=f"{decode}.*moe_mxfp4_gate_up_cols"):
+            moe_pairs_gate_up_act(x, w13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
+        with settings.tuned(moe_mxfp4_decode=decode, moe_mxfp4_down_choices=False), pytest.raises(
+                ConfigError, match=f"{decode}.*moe_mxfp4_down_choices"):
+            moe_pairs_down_combine(h, w2, ids, weights, scale=s2, row_tiles=True)
 
 
 def test_the_e4m3_decode_gives_each_e2m1_code_times_2_to_the_minus_6():

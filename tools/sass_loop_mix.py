@@ -15,7 +15,8 @@ routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-ga
 through the row tiles), mxfp4-moe-gate-up and mxfp4-moe-gate-up-rt (gpt-oss-20b's MXFP4 gate|up: pairs, row tiles), mxfp4-moe-down-rt
 (its down + combine in row tiles: the counts are the loop over one choice's columns), mxfp4-moe-grouped and
 mxfp4-moe-grouped-pairs (its experts above 4 tokens in the grouped tensor-core kernel, each code through float32 or
-a byte's two codes to a bf16 pair: the counts are the K loop's, 32 rows a chunk).
+a byte's two codes to a bf16 pair: the counts are the K loop's, 32 rows a chunk); -pairs-fma and -words-fma forms of
+the gate|up columns and down choices kernels (moe_mxfp4_decode), down's also on 4 warps (-w4).
 
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
 install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
@@ -181,7 +182,8 @@ def kernels() -> dict:
     # INNERMOST), each code through float32 and in bf16 pairs (moe_mxfp4_dot_pairs); 32 rows a chunk
     grouped_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "offsets_ptr": "*i32", "y_ptr": "*bf16", "s_ptr": "*u8",
                    "b_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_ym",
-                                                      "stride_se", "stride_sn", "stride_sk", "stride_be"], "i32")}
+                                                      "stride_se", "stride_sn", "stride_sk", "stride_be"], "i32"),
+                   "rows_ptr": "*i32", "out_rows_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
     for name, pairs in (("mxfp4-moe-grouped", mt.PAIRS_OFF), ("mxfp4-moe-grouped-pairs", mt.PAIRS_ON)):
         table[name] = (mt._moe_matmul_grouped_kernel, grouped_sig, dict(
             BLOCK_M=32, BLOCK_N=mt.GROUPED_BLOCK_N, BLOCK_K=mt.GROUPED_BLOCK_K, NUM_STAGES=mt.GROUPED_NUM_STAGES,
@@ -224,6 +226,13 @@ def kernels() -> dict:
          "stride_sn", "stride_ym"], 8, 1, 4 * 4 * 32 * 32)
     dc, sig_, consts_, *rest = table["mxfp4-moe-down-choices"]
     table["mxfp4-moe-down-choices-pairs"] = (dc, sig_, dict(consts_, DECODE=4), *rest)
+    # (the FMA decodes, moe_mxfp4_decode=pairs-fma / words-fma; down also on 4 warps, moe_mxfp4_row_steps' WARPS)
+    for form in ("pairs-fma", "words-fma"):
+        table[f"mxfp4-moe-down-choices-{form}"] = (dc, sig_, dict(consts_, DECODE=mt.DECODES[form]), *rest)
+        table[f"mxfp4-moe-down-choices-{form}-w4"] = (dc, sig_, dict(consts_, DECODE=mt.DECODES[form]), rest[0], 4,
+                                                      *rest[2:])
+        cu, cu_sig, cu_consts, *cu_rest = table["mxfp4-moe-gate-up-cols4-pairs"]
+        table[f"mxfp4-moe-gate-up-cols4-{form}"] = (cu, cu_sig, dict(cu_consts, DECODE=mt.DECODES[form]), *cu_rest)
     # (with each program asking the L2 for its part of the next layer's weight first, moe_l2_prefetch)
     table["mxfp4-moe-down-choices-prefetch"] = (dc, sig_, dict(consts_, PREFETCH=True), *rest)
     return table
@@ -236,7 +245,10 @@ def main() -> None:
                                           "mxfp4-moe-gate-up-rt,mxfp4-moe-gate-up-rt-pairs,mxfp4-moe-gate-up-cols4-pairs,"
                                           "mxfp4-moe-gate-up-cols8-pairs,mxfp4-moe-down-rt,mxfp4-moe-down-choices,"
                                           "mxfp4-moe-down-choices-pairs,mxfp4-moe-grouped,"
-                                          "mxfp4-moe-grouped-pairs")
+                                          "mxfp4-moe-grouped-pairs,mxfp4-moe-gate-up-cols4-pairs-fma,"
+                                          "mxfp4-moe-gate-up-cols4-words-fma,mxfp4-moe-down-choices-pairs-fma,"
+                                          "mxfp4-moe-down-choices-words-fma,mxfp4-moe-down-choices-pairs-fma-w4,"
+                                          "mxfp4-moe-down-choices-words-fma-w4")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")

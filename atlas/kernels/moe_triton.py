@@ -62,9 +62,10 @@ tile) and broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts throug
 tokens gate|up and down take the row tiles by default (the moe_mxfp4_row_tiles knob: each thread sums runs of 32
 columns against the bf16 row, half the instructions a weight of the pairs kernels): still issue-bound, at about a
 third of the copy rate on an H100 (BENCHMARKS.md 7.3). The moe_mxfp4_decode knob chooses how they decode: from each
-byte's bits (the default), from int32 words' bits, or through E4M3 bytes and sm_89+'s E4M3 conversion (inline PTX,
-a third fewer instructions a weight, yet a slower step on an H100; DECODES above the kernels); moe_mxfp4_row_steps
-sets each kernel's step, stages and form apart.
+byte's bits, from int32 words' bits, through E4M3 bytes and sm_89+'s E4M3 conversion (inline PTX, a third fewer
+instructions a weight, yet a slower step on an H100), a byte's two codes by two multiplies (pairs, the default), or
+in the two kernels that run by default, pairs or int32 words with fused multiply-add chains (DECODES above the
+kernels); moe_mxfp4_row_steps sets each kernel's step, stages, form and warps apart.
 """
 
 from __future__ import annotations
@@ -870,9 +871,16 @@ cvt.f32.f16 $7, a7;
 # The decode forms of the MXFP4 row tiles (the kernels' DECODE): codes from bytes times 2^126 (the default), from
 # int32 words with x times 2^63, from int32 words through E4M3 on the GPU, and that one's values from the words' float32
 # bits times 2^120 where the interpreter runs the kernels (no inline PTX there; the same values); a byte's two codes
-# at once by two multiplies (the bf16 pairs' placement, _mxfp4_pairs_part) with x times 2^63.
-DECODES = {"bits": 0, "words": 1, "e4m3": 2, "pairs": 4}
+# at once by two multiplies (the bf16 pairs' placement, _mxfp4_pairs_part) with x times 2^63; and two forms of the
+# gate|up columns kernel and the down choices kernel only that sum each thread's products as chains of fused
+# multiply-adds: pairs' decode (_mxfp4_chain_part) and int32 words' codes by a mask, a multiply and a mask each
+# (_word_chain), neither extracting bytes (on sm_90 with Triton 3.6: 0.175 and 0.207 warp instructions a weight
+# against pairs' 0.208 and 0.214, tools/sass_loop_mix.py).
+DECODES = {"bits": 0, "words": 1, "e4m3": 2, "pairs": 4, "pairs-fma": 5, "words-fma": 6}
 DECODE_E4M3_INTERPRETED = 3
+# (the forms the gate|up columns kernel and the down choices kernel take; the FMA ones no other)
+TILE_DECODES = (DECODES["bits"], DECODES["pairs"], DECODES["pairs-fma"], DECODES["words-fma"])
+FMA_DECODES = (DECODES["pairs-fma"], DECODES["words-fma"])
 
 
 @triton.jit
@@ -966,12 +974,127 @@ def _mxfp4_pairs_part(b, x_lo, x_hi):
 
 
 @triton.jit
+def _eighths(t):
+    """t [A, B, 16] -> 8 tensors [A, B, 2]: leaf i holds elements i and i + 8 (i = 0..7 in the order returned: 0, 4,
+    2, 6, 1, 5, 3, 7), split from the last axis three times (a thread's contiguous elements stay in the thread)."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    ev, od = tl.split(tl.reshape(t, [A, B, 8, 2]))
+    e0, e1 = tl.split(tl.reshape(ev, [A, B, 4, 2]))
+    o0, o1 = tl.split(tl.reshape(od, [A, B, 4, 2]))
+    a0, a1 = tl.split(tl.reshape(e0, [A, B, 2, 2]))
+    a2, a3 = tl.split(tl.reshape(e1, [A, B, 2, 2]))
+    a4, a5 = tl.split(tl.reshape(o0, [A, B, 2, 2]))
+    a6, a7 = tl.split(tl.reshape(o1, [A, B, 2, 2]))
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _chain2(acc, b, x_lo, x_hi):
+    """acc + the products of one leaf's bytes b (int32 [A, B, 2]) with x's even and odd columns, as two fused
+    multiply-adds a byte."""
+    lo, hi = _mxfp4_pair_halves(b)
+    return tl.fma(hi, x_hi, tl.fma(lo, x_lo, acc))
+
+
+@triton.jit
+def _mxfp4_chain_part(b, x_lo, x_hi):
+    """The "chain" decode's run sums: _mxfp4_pairs_part's decode and products (x times 2^63), each thread's products
+    summed as a chain of fused multiply-adds (two a byte, where pairs takes a multiply, a fused multiply-add and an
+    add) and the chain's two halves added last: the same products, summed in another order."""
+    b0, b1, b2, b3, b4, b5, b6, b7 = _eighths(b)
+    l0, l1, l2, l3, l4, l5, l6, l7 = _eighths(tl.broadcast_to(x_lo, b.shape))
+    h0, h1, h2, h3, h4, h5, h6, h7 = _eighths(tl.broadcast_to(x_hi, b.shape))
+    lo, hi = _mxfp4_pair_halves(b0)
+    acc = tl.fma(hi, h0, lo * l0)
+    acc = _chain2(acc, b1, l1, h1)
+    acc = _chain2(acc, b2, l2, h2)
+    acc = _chain2(acc, b3, l3, h3)
+    acc = _chain2(acc, b4, l4, h4)
+    acc = _chain2(acc, b5, l5, h5)
+    acc = _chain2(acc, b6, l6, h6)
+    acc = _chain2(acc, b7, l7, h7)
+    return tl.sum(acc, axis=-1) * _TWO63
+
+
+@triton.jit
+def _quarters(t):
+    """t [A, B, 16] -> 4 tensors [A, B, 4]: piece i holds elements 4 j + i (j = 0..3), in the order i = 0, 2, 1, 3."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    ev, od = tl.split(tl.reshape(t, [A, B, 4, 2, 2]))
+    q0, q2 = tl.split(ev)
+    q1, q3 = tl.split(od)
+    return q0, q2, q1, q3
+
+
+@triton.jit
+def _code_bits(w, MASK: tl.constexpr, MUL: tl.constexpr):
+    """The float32 bits (value times 2^-126) of the E2M1 code at MASK's nibble of int32 words w, moved by one
+    multiply: MUL = 2^a + 2^b puts its magnitude bits at 22-24 and its sign at 31 without overlap."""
+    return ((w & MASK) * MUL) & -2118123520  # (0x81C00000)
+
+
+@triton.jit
+def _word_chain(w, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3):
+    """Run sums from int32 words w [A, B, 4] (word j: bytes 4 j .. 4 j + 3 of the run) against x's columns: xl_i,
+    xh_i the even and odd columns of each word's byte i (x's pair 4 j + i, times 2^63, float32): each code's float32
+    bits by a mask, a multiply and a mask (the top byte's by shifts), two fused multiply-adds a byte; the products
+    of the pairs decode, summed in another order."""
+    acc = _code_bits(w, 0xF, 0x10400000).to(tl.float32, bitcast=True) * xl0
+    acc = tl.fma(_code_bits(w, 0xF0, 0x01040000).to(tl.float32, bitcast=True), xh0, acc)
+    acc = tl.fma(_code_bits(w, 0xF00, 0x00104000).to(tl.float32, bitcast=True), xl1, acc)
+    acc = tl.fma(_code_bits(w, 0xF000, 0x00010400).to(tl.float32, bitcast=True), xh1, acc)
+    acc = tl.fma(_code_bits(w, 0xF0000, 0x00001040).to(tl.float32, bitcast=True), xl2, acc)
+    acc = tl.fma(_code_bits(w, 0xF00000, 0x00000104).to(tl.float32, bitcast=True), xh2, acc)
+    lo3 = (((w << 4) >> 6) & -2118123520).to(tl.float32, bitcast=True)  # (arithmetic shift: the sign stays at 31)
+    hi3 = ((w >> 6) & -2118123520).to(tl.float32, bitcast=True)
+    acc = tl.fma(lo3, xl3, acc)
+    acc = tl.fma(hi3, xh3, acc)
+    return tl.sum(acc, axis=-1) * _TWO63
+
+
+@triton.jit
+def _mxfp4_word_chain_part(w, x_lo, x_hi):
+    """_word_chain with x's even and odd columns as [A or 1, B, 16] tiles in byte order, split into the words'
+    bytes."""
+    xl0, xl2, xl1, xl3 = _quarters(tl.broadcast_to(x_lo, [w.shape[0], w.shape[1], 16]))
+    xh0, xh2, xh1, xh3 = _quarters(tl.broadcast_to(x_hi, [w.shape[0], w.shape[1], 16]))
+    return _word_chain(w, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3)
+
+
+@triton.jit
+def _x_pair_halves(v):
+    """bf16 pairs v (int32) -> (the even elements, the odd ones) in float32 times 2^63."""
+    return (v << 16).to(tl.float32, bitcast=True) * _TWO63, (v & -65536).to(tl.float32, bitcast=True) * _TWO63
+
+
+@triton.jit
+def _mxfp4_word_tile(w_rows, s_rows, wcols, w_ok, run_ok, s_cols, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3,
+                     MASKED: tl.constexpr):
+    """_mxfp4_tile_part in the words chain with x's columns as per-byte tiles (_word_chain's)."""
+    wr = w_rows.to(tl.pointer_type(tl.int32))
+    if MASKED:
+        w = tl.load(wr + wcols, mask=w_ok, other=0)
+        s = tl.load(s_rows + s_cols, mask=run_ok, other=127).to(tl.int32)
+    else:
+        w = tl.load(wr + wcols)
+        s = tl.load(s_rows + s_cols).to(tl.int32)
+    return _word_chain(w, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3) * _e8m0(s)
+
+
+@triton.jit
 def _mxfp4_row_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr):
     """The row tiles' step at column k0 in the decode form DECODE (DECODES): _mxfp4_step's tuple, or
     _mxfp4_word_step's for the word forms; _mxfp4_row_part takes it."""
     if DECODE == 0:
         return _mxfp4_step(x_row, k0, K, RUNS, EVEN_K)
-    elif DECODE == 4:
+    elif DECODE == 6:
+        bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_row, k0, K, RUNS, EVEN_K)
+        starts = k0 + tl.arange(0, RUNS) * 32
+        wcols = (starts // 8)[:, None] + tl.arange(0, 4)[None, :]
+        return wcols, wcols < K // 8, run_ok, group, x_lo * _TWO63, x_hi * _TWO63
+    elif DECODE >= 4:
         bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_row, k0, K, RUNS, EVEN_K)
         return bcols, b_ok, run_ok, group, x_lo * _TWO63, x_hi * _TWO63
     else:
@@ -1044,10 +1167,11 @@ def _mxfp4_gate_up_cols_kernel(
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
     HAS_BIAS: tl.constexpr, DECODE: tl.constexpr = 0,
 ):
-    """_mxfp4_gate_up_row_tiles_kernel (the bits or the pairs decode, DECODE 0 or 4) with COLS output columns a
-    program, their gate and up rows as tiles [COLS, RUNS, 16] (x's step read once for 2 COLS rows): fewer, wider
-    programs (gpt-oss-20b's one token: 1,440 x 4 programs of 2 columns fill an H100's SMs 1.75 times). The same
-    products, run sums and rounding."""
+    """_mxfp4_gate_up_row_tiles_kernel (the bits, pairs or FMA decodes: TILE_DECODES) with COLS output columns a
+    program, their gate and up rows as tiles [COLS, RUNS, 16] (words-fma: [COLS, RUNS, 4] int32 words; x's step read
+    once for 2 COLS rows): fewer, wider programs (gpt-oss-20b's one token: 1,440 x 4 programs of 2 columns fill an
+    H100's SMs 1.75 times). The same products, run sums and rounding (the FMA forms: the products summed in another
+    order)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pdl_begin(PDL)  # (before the pair's expert id and routing weight: the router's kernel writes them)
@@ -1085,12 +1209,27 @@ def _mxfp4_tile_part(w_rows, s_rows, bcols, b_ok, run_ok, s_cols, x_lo, x_hi, MA
     [R, 1]), the step's byte columns, masks and scale offsets broadcast against them -> [R, RUNS] partial sums times
     their runs' scales."""
     if MASKED:
-        b = tl.load(w_rows + bcols, mask=b_ok, other=0).to(tl.int32)
         s = tl.load(s_rows + s_cols, mask=run_ok, other=127).to(tl.int32)
     else:
-        b = tl.load(w_rows + bcols).to(tl.int32)
         s = tl.load(s_rows + s_cols).to(tl.int32)
-    part = _mxfp4_pairs_part(b, x_lo, x_hi) if DECODE == 4 else _mxfp4_bits_part(b, x_lo, x_hi)
+    if DECODE == 6:
+        wr = w_rows.to(tl.pointer_type(tl.int32))  # (bcols, b_ok: word columns [.., RUNS, 4] and their mask)
+        if MASKED:
+            w = tl.load(wr + bcols, mask=b_ok, other=0)
+        else:
+            w = tl.load(wr + bcols)
+        part = _mxfp4_word_chain_part(w, x_lo, x_hi)
+    else:
+        if MASKED:
+            b = tl.load(w_rows + bcols, mask=b_ok, other=0).to(tl.int32)
+        else:
+            b = tl.load(w_rows + bcols).to(tl.int32)
+        if DECODE == 5:
+            part = _mxfp4_chain_part(b, x_lo, x_hi)
+        elif DECODE == 4:
+            part = _mxfp4_pairs_part(b, x_lo, x_hi)
+        else:
+            part = _mxfp4_bits_part(b, x_lo, x_hi)
     return part * _e8m0(s)
 
 
@@ -1184,7 +1323,7 @@ def _mxfp4_down_choices(
     stride_sk, stride_be, stride_ym, pid, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RUNS: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, DECODE: tl.constexpr,
 ):
-    """_mxfp4_down_row_tiles_kernel (the bits or the pairs decode, DECODE 0 or 4) for program pid of token t, with
+    """_mxfp4_down_row_tiles_kernel (the bits, pairs or FMA decodes: TILE_DECODES) for program pid of token t, with
     its TOPK choices side by side in each tile ([TOPK_P2, RUNS, 16] bytes a row a step) rather than one after
     another: every choice's loads of a step are in flight at once, and a program has TOPK_P2 times the warps (at one
     token the one-after-another kernel had 16 % achieved occupancy on an H100 and waited on memory: BENCHMARKS.md
@@ -1224,18 +1363,33 @@ def _mxfp4_down_choices(
         v = tl.load(h_rows + bcols, mask=b_ok, other=0)
         x_lo = (v << 16).to(tl.float32, bitcast=True)
         x_hi = (v & -65536).to(tl.float32, bitcast=True)
-        if DECODE == 4:
+        if DECODE >= 4:
             x_lo *= _TWO63
             x_hi *= _TWO63
         group = (starts // 32)[None, :]
-        a0 += _mxfp4_tile_part(w_e + r0.to(tl.int64) * stride_wn, s_e + r0.to(tl.int64) * stride_sn, bcols,
-                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
-        a1 += _mxfp4_tile_part(w_e + r1.to(tl.int64) * stride_wn, s_e + r1.to(tl.int64) * stride_sn, bcols,
-                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
-        a2 += _mxfp4_tile_part(w_e + r2.to(tl.int64) * stride_wn, s_e + r2.to(tl.int64) * stride_sn, bcols,
-                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
-        a3 += _mxfp4_tile_part(w_e + r3.to(tl.int64) * stride_wn, s_e + r3.to(tl.int64) * stride_sn, bcols,
-                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+        if DECODE == 6:  # (W as int32 words, x's pairs loaded as one tile per byte of a word)
+            wcols = ((starts // 8)[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+            w_ok = live[:, None, None] if EVEN_K else live[:, None, None] & (wcols < K // 8)
+            xl, xh = _x_pair_halves(tl.load(h_rows + bcols, mask=b_ok, other=0))
+            xl0, xl2, xl1, xl3 = _quarters(xl)
+            xh0, xh2, xh1, xh3 = _quarters(xh)
+            a0 += _mxfp4_word_tile(w_e + r0.to(tl.int64) * stride_wn, s_e + r0.to(tl.int64) * stride_sn, wcols, w_ok,
+                                   run_ok, group * stride_sk, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3, True)
+            a1 += _mxfp4_word_tile(w_e + r1.to(tl.int64) * stride_wn, s_e + r1.to(tl.int64) * stride_sn, wcols, w_ok,
+                                   run_ok, group * stride_sk, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3, True)
+            a2 += _mxfp4_word_tile(w_e + r2.to(tl.int64) * stride_wn, s_e + r2.to(tl.int64) * stride_sn, wcols, w_ok,
+                                   run_ok, group * stride_sk, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3, True)
+            a3 += _mxfp4_word_tile(w_e + r3.to(tl.int64) * stride_wn, s_e + r3.to(tl.int64) * stride_sn, wcols, w_ok,
+                                   run_ok, group * stride_sk, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3, True)
+        else:
+            a0 += _mxfp4_tile_part(w_e + r0.to(tl.int64) * stride_wn, s_e + r0.to(tl.int64) * stride_sn, bcols,
+                                   b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+            a1 += _mxfp4_tile_part(w_e + r1.to(tl.int64) * stride_wn, s_e + r1.to(tl.int64) * stride_sn, bcols,
+                                   b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+            a2 += _mxfp4_tile_part(w_e + r2.to(tl.int64) * stride_wn, s_e + r2.to(tl.int64) * stride_sn, bcols,
+                                   b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+            a3 += _mxfp4_tile_part(w_e + r3.to(tl.int64) * stride_wn, s_e + r3.to(tl.int64) * stride_sn, bcols,
+                                   b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
     cc = c[None, :]
     acc = tl.where(cc == 0, tl.sum(a0, axis=1)[:, None], tl.where(cc == 1, tl.sum(a1, axis=1)[:, None], tl.where(
         cc == 2, tl.sum(a2, axis=1)[:, None], tl.sum(a3, axis=1)[:, None])))  # [TOPK_P2, 4]
@@ -1262,37 +1416,48 @@ def mxfp4_row_runs(k: int, knob: int | None = None) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def parse_row_steps(text: str) -> dict[str, tuple[int, int, str]]:
-    """The `moe_mxfp4_row_steps` tuning knob ("gate_up:16:1:e4m3;down:64:2:bits", either part) as (runs, stages,
-    decode) by kernel; a ConfigError naming the part that is not KERNEL:RUNS:STAGES:DECODE."""
-    steps: dict[str, tuple[int, int, str]] = {}
+def parse_row_steps(text: str) -> dict[str, tuple[int, int, str, int]]:
+    """The `moe_mxfp4_row_steps` tuning knob ("gate_up:16:1:e4m3;down:64:2:bits:4", either part) as (runs, stages,
+    decode, warps: 0 for the kernel's own) by kernel; a ConfigError naming the part that is not
+    KERNEL:RUNS:STAGES:DECODE[:WARPS]."""
+    steps: dict[str, tuple[int, int, str, int]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = [f.strip() for f in part.split(":")]
-        if (len(fields) != 4 or fields[0] not in ("gate_up", "down") or fields[1] not in ("0", "16", "32", "64", "128")
-                or fields[2] not in ("1", "2", "3") or fields[3] not in DECODES):
-            raise ConfigError(f"tuning moe_mxfp4_row_steps: {part!r} is not KERNEL:RUNS:STAGES:DECODE with KERNEL "
-                              f"gate_up or down, RUNS 0 (the step that pads least), 16, 32, 64 or 128, STAGES 1-3 and "
-                              f"DECODE {', '.join(DECODES)} (e.g. down:64:2:bits)")
-        steps[fields[0]] = (int(fields[1]), int(fields[2]), fields[3])
+        if (len(fields) not in (4, 5) or fields[0] not in ("gate_up", "down")
+                or fields[1] not in ("0", "16", "32", "64", "128") or fields[2] not in ("1", "2", "3")
+                or fields[3] not in DECODES or (len(fields) == 5 and fields[4] not in ("1", "2", "4", "8", "16"))):
+            raise ConfigError(f"tuning moe_mxfp4_row_steps: {part!r} is not KERNEL:RUNS:STAGES:DECODE[:WARPS] with "
+                              f"KERNEL gate_up or down, RUNS 0 (the step that pads least), 16, 32, 64 or 128, STAGES "
+                              f"1-3, DECODE {', '.join(DECODES)} and WARPS 1, 2, 4, 8 or 16 (a program's warps in the "
+                              f"gate|up columns and down choices kernels; e.g. down:64:2:bits or down:0:1:words-fma:4)")
+        steps[fields[0]] = (int(fields[1]), int(fields[2]), fields[3], int(fields[4]) if len(fields) == 5 else 0)
     return steps
 
 
 def mxfp4_row_config(kernel: str, k: int) -> tuple[int, int, int, str]:
     """(runs of 32 columns a step, warps, stages, decode form) of the MXFP4 row tiles' `kernel` (gate_up or down)
     over k columns: the moe_mxfp4_row_steps knob's entry for it, else the moe_mxfp4_row_runs knob's step, one
-    stage and the moe_mxfp4_decode knob's form."""
+    stage and the moe_mxfp4_decode knob's form. (Warps: a run row's; the columns and choices kernels multiply them
+    by their columns / 2 and choices unless mxfp4_program_warps sets a program's.)"""
     entry = parse_row_steps(settings.tuning.moe_mxfp4_row_steps).get(kernel)
     if entry is None:
         return (*mxfp4_row_runs(k), 1, settings.tuning.moe_mxfp4_decode)
-    runs, stages, decode = entry
+    runs, stages, decode, _ = entry
     return (*mxfp4_row_runs(k, runs), stages, decode)
+
+
+def mxfp4_program_warps(kernel: str, default: int) -> int:
+    """A program's warps in the gate|up columns or down choices kernel: moe_mxfp4_row_steps' WARPS for `kernel`, else
+    `default`."""
+    entry = parse_row_steps(settings.tuning.moe_mxfp4_row_steps).get(kernel)
+    return entry[3] if entry is not None and entry[3] else default
 
 
 def _mxfp4_decode(w: torch.Tensor, name: str) -> int:
     """The row tiles' DECODE for the decode form `name` (DECODES; the E4M3 form's interpreted one off CUDA). The word
     decodes read W's bytes as int32 words: its rows and experts must start on whole words."""
     decode = DECODES[name]
-    assert decode in (DECODES["bits"], DECODES["pairs"]) or (
+    assert decode in (DECODES["bits"], DECODES["pairs"], DECODES["pairs-fma"]) or (
         w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (w.data_ptr(), w.stride())
     if decode == DECODES["e4m3"] and not w.is_cuda:
         return DECODE_E4M3_INTERPRETED
@@ -1321,7 +1486,10 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | No
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
-    if decode in (DECODES["bits"], DECODES["pairs"]) and settings.tuning.moe_mxfp4_down_choices:
+    if decode in FMA_DECODES and not settings.tuning.moe_mxfp4_down_choices:
+        raise ConfigError(f"the {decode_name} MXFP4 decode runs in the down choices kernel: leave "
+                          f"moe_mxfp4_down_choices on, or choose bits, words, e4m3 or pairs for down")
+    if decode in TILE_DECODES and settings.tuning.moe_mxfp4_down_choices:
         topk_p2 = triton.next_power_of_2(k)
         pf = l2_prefetch_args(prefetch, triton.cdiv(n, 4), y)
         _mxfp4_down_choices_kernel[(triton.cdiv(n, 4), t)](
@@ -1329,7 +1497,8 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | No
             weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
             scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), **pf, TOPK=k,
             TOPK_P2=topk_p2, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
-            HAS_BIAS=bias is not None, DECODE=decode, num_warps=min(16, num_warps * topk_p2),
+            HAS_BIAS=bias is not None, DECODE=decode,
+            num_warps=mxfp4_program_warps("down", min(16, num_warps * topk_p2)),
             **launch_options(h.device, moe=True),
         )
         return y
@@ -1361,14 +1530,18 @@ def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limi
     if t == 0:
         return y
     cols = settings.tuning.moe_mxfp4_gate_up_cols
-    if cols and decode in (DECODES["bits"], DECODES["pairs"]):
+    if decode in FMA_DECODES and not cols:
+        raise ConfigError(f"the {decode_name} MXFP4 decode runs in the gate|up columns kernel: set "
+                          f"moe_mxfp4_gate_up_cols to 2, 4 or 8, or choose bits, words, e4m3 or pairs for gate|up")
+    if cols and decode in TILE_DECODES:
         _mxfp4_gate_up_cols_kernel[(triton.cdiv(n // 2, cols), t * k)](
             x32, w13, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
             weights.reshape(-1).contiguous(), n, kk, x32.stride(0), w13.stride(0), w13.stride(1), scale.stride(0),
             scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), float(alpha),
             float(limit or 0.0), TOPK=k, COLS=cols, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
             ACT=act, LIBDEVICE=_LIBDEVICE_MATH, HAS_BIAS=bias is not None, DECODE=decode,
-            num_warps=min(16, num_warps * cols // 2), **launch_options(x.device, moe=True),
+            num_warps=mxfp4_program_warps("gate_up", min(16, num_warps * cols // 2)),
+            **launch_options(x.device, moe=True),
         )
         return y
     _mxfp4_gate_up_row_tiles_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
