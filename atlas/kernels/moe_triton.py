@@ -1368,11 +1368,15 @@ def _mxfp4_down_choices(
             x_hi *= _TWO63
         group = (starts // 32)[None, :]
         if DECODE == 6:  # (W as int32 words, x's pairs loaded as one tile per byte of a word)
-            wcols = ((starts // 8)[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+            # (j * 4 // 4: Triton no longer sees a run's 4 words as contiguous and gives W's tile the layout of x's
+            # strided tiles; vectorized, each x tile moved through shared memory to W's: 16 barriers a step on 4 warps)
+            wcols = ((starts // 8)[:, None] + (tl.arange(0, 4) * 4 // 4)[None, :])[None, :, :]
             w_ok = live[:, None, None] if EVEN_K else live[:, None, None] & (wcols < K // 8)
-            xl, xh = _x_pair_halves(tl.load(h_rows + bcols, mask=b_ok, other=0))
-            xl0, xl2, xl1, xl3 = _quarters(xl)
-            xh0, xh2, xh1, xh3 = _quarters(xh)
+            xp = h_rows + wcols * 4
+            xl0, xh0 = _x_pair_halves(tl.load(xp, mask=w_ok, other=0))
+            xl1, xh1 = _x_pair_halves(tl.load(xp + 1, mask=w_ok, other=0))
+            xl2, xh2 = _x_pair_halves(tl.load(xp + 2, mask=w_ok, other=0))
+            xl3, xh3 = _x_pair_halves(tl.load(xp + 3, mask=w_ok, other=0))
             a0 += _mxfp4_word_tile(w_e + r0.to(tl.int64) * stride_wn, s_e + r0.to(tl.int64) * stride_sn, wcols, w_ok,
                                    run_ok, group * stride_sk, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3, True)
             a1 += _mxfp4_word_tile(w_e + r1.to(tl.int64) * stride_wn, s_e + r1.to(tl.int64) * stride_sn, wcols, w_ok,
