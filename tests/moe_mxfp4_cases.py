@@ -70,7 +70,8 @@ ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), 
 # twelve)
 INTERPRETER_ROW_TILE_KNOBS = ({}, dict(moe_mxfp4_row_runs=64, moe_mxfp4_decode="words"),
                               dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-10:-6],
-                              ROW_TILE_KNOBS[-4], *ROW_TILE_KNOBS[-2:])
+                              ROW_TILE_KNOBS[-4], dict(moe_mxfp4_row_steps="gate_up:0:1:pairs-fma;down:0:1:pairs-fma:4"))
+# (words-fma in both kernels: check_forward's forms)
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
