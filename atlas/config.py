@@ -289,9 +289,9 @@ class TuningConfig:
         "an H100; gpt-oss's activations lie well within that range); in the gate|up columns and down choices kernels "
         "only, pairs-fma (pairs' decode, each thread's products summed as a chain of fused multiply-adds) or "
         "words-fma (W's int32 words, each code's float32 bits by a mask, a multiply and a mask, no byte extracted, "
-        "fused multiply-adds): 0.175 / 0.207 warp instructions a weight for gate|up / down against pairs' 0.208 / "
-        "0.214 (sm_90, Triton 3.6; not yet timed on a GPU). The same products, summed in another order in the word "
-        "and FMA forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
+        "fused multiply-adds): gate|up 0.175 warp instructions a weight against pairs' 0.207, down 0.171 on 4 warps "
+        "(moe_mxfp4_row_steps' WARPS) against 0.214 (sm_90, Triton 3.6; not yet timed on a GPU). The same "
+        "products, summed in another order in the word and FMA forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
         "Triton 3.6: 513 / 458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 "
         "(words) and 3.01 (e4m3) at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_row_steps: str = field(default="", metadata=_knob(

@@ -874,8 +874,8 @@ cvt.f32.f16 $7, a7;
 # at once by two multiplies (the bf16 pairs' placement, _mxfp4_pairs_part) with x times 2^63; and two forms of the
 # gate|up columns kernel and the down choices kernel only that sum each thread's products as chains of fused
 # multiply-adds: pairs' decode (_mxfp4_chain_part) and int32 words' codes by a mask, a multiply and a mask each
-# (_word_chain), neither extracting bytes (on sm_90 with Triton 3.6: 0.175 and 0.207 warp instructions a weight
-# against pairs' 0.208 and 0.214, tools/sass_loop_mix.py).
+# (_word_chain), the latter extracting no byte (on sm_90 with Triton 3.6, words-fma's gate|up loop issues 0.175 warp
+# instructions a weight against pairs' 0.207, its down 0.171 on 4 warps against 0.214: tools/sass_loop_mix.py).
 DECODES = {"bits": 0, "words": 1, "e4m3": 2, "pairs": 4, "pairs-fma": 5, "words-fma": 6}
 DECODE_E4M3_INTERPRETED = 3
 # (the forms the gate|up columns kernel and the down choices kernel take; the FMA ones no other)
