@@ -155,14 +155,14 @@ def test_the_mxfp4_expert_kernels_compile_for_sm90():
                   GROUP_K=32, MXFP4=True, HAS_BIAS=True)
     assert ".entry" in compile_for_sm90(rows_kernel, ptrs, consts)
     # the row tiles' down with a token's choices side by side (moe_mxfp4_down_choices), gpt-oss's 2,880 columns
-    for decode in (0, 4):  # (the bits and the pairs decodes)
+    for decode in moe_triton.TILE_DECODES:  # (bits, pairs and the two fused multiply-add forms)
         consts = dict(TOPK=4, TOPK_P2=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, HAS_BIAS=True, DECODE=decode)
         assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32"}, consts)
-        # with each program asking the L2 for a part of another weight first (moe_l2_prefetch): sm_90's bulk
-        # prefetch, from one thread a program
-        ptx = compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32", "pf_ptr": "*u8"},
-                               dict(consts, PREFETCH=True))
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1 and "setp.eq.and.u32" in ptx
+        if decode in (0, 4):  # with each program asking the L2 for a part of another weight first (moe_l2_prefetch):
+            # sm_90's bulk prefetch, from one thread a program
+            ptx = compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32", "pf_ptr": "*u8"},
+                                   dict(consts, PREFETCH=True))
+            assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1 and "setp.eq.and.u32" in ptx
         # the gate|up of 8 output columns a program (moe_mxfp4_gate_up_cols)
         consts = dict(TOPK=4, COLS=8, RUNS=32, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, HAS_BIAS=True,
                       DECODE=decode)
