@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Session 89, one call (carry [".whl"]; ~8.5 min, any card): gpt-oss-20b's batch-1 step with the MXFP4 one-token
 # kernels' FMA decodes (moe_mxfp4_decode=words-fma: W's int32 words, a mask, a multiply and a mask a code; pairs-fma:
-# pairs' decode; both summing each thread's products as fused multiply-add chains; the down choices kernel on 8 warps
-# or, by moe_mxfp4_row_steps' fifth field, 4; and gate|up in words-fma with down in pairs-fma on 4 warps, the fewest
-# instructions a weight by tools/sass_loop_mix.py without shared memory) against the default pairs decode, alternated; then the MXFP4 kernel cases
-# on this GPU (tests/moe_mxfp4_cases.py gpt-oss-20b: every decode form and kernel against the references) and the
+# pairs' decode; both summing each thread's products as fused multiply-add chains): words-fma in both kernels, down on
+# 8 warps or, by moe_mxfp4_row_steps' fifth field, 4; and gate|up in words-fma with down in pairs-fma on 4 warps;
+# against the default pairs decode, alternated; then the MXFP4 kernel cases on this GPU (tests/moe_mxfp4_cases.py gpt-oss-20b: every decode form and kernel against the references) and the
 # gpt-oss model's CUDA tests (owed since moe_grouped_gather became the default). Timings first.
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
