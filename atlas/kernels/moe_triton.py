@@ -874,7 +874,7 @@ cvt.f32.f16 $7, a7;
 # at once by two multiplies (the bf16 pairs' placement, _mxfp4_pairs_part) with x times 2^63; and two forms of the
 # gate|up columns kernel and the down choices kernel only that sum each thread's products as chains of fused
 # multiply-adds: pairs' decode (_mxfp4_chain_part) and int32 words' codes by a mask, a multiply and a mask each
-# (_word_chain), the latter extracting no byte (on sm_90 with Triton 3.6, words-fma's gate|up loop issues 0.175 warp
+# (_word_chain, _mxfp4_word_tile), the latter extracting no byte (on sm_90 with Triton 3.6, words-fma's gate|up loop issues 0.175 warp
 # instructions a weight against pairs' 0.207, its down 0.171 on 4 warps against 0.214: tools/sass_loop_mix.py).
 DECODES = {"bits": 0, "words": 1, "e4m3": 2, "pairs": 4, "pairs-fma": 5, "words-fma": 6}
 DECODE_E4M3_INTERPRETED = 3
@@ -1055,15 +1055,6 @@ def _word_chain(w, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3):
 
 
 @triton.jit
-def _mxfp4_word_chain_part(w, x_lo, x_hi):
-    """_word_chain with x's even and odd columns as [A or 1, B, 16] tiles in byte order, split into the words'
-    bytes."""
-    xl0, xl2, xl1, xl3 = _quarters(tl.broadcast_to(x_lo, [w.shape[0], w.shape[1], 16]))
-    xh0, xh2, xh1, xh3 = _quarters(tl.broadcast_to(x_hi, [w.shape[0], w.shape[1], 16]))
-    return _word_chain(w, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3)
-
-
-@triton.jit
 def _x_pair_halves(v):
     """bf16 pairs v (int32) -> (the even elements, the odd ones) in float32 times 2^63."""
     return (v << 16).to(tl.float32, bitcast=True) * _TWO63, (v & -65536).to(tl.float32, bitcast=True) * _TWO63
@@ -1206,31 +1197,29 @@ def _mxfp4_gate_up_cols_kernel(
 def _mxfp4_tile_part(w_rows, s_rows, bcols, b_ok, run_ok, s_cols, x_lo, x_hi, MASKED: tl.constexpr,
                      DECODE: tl.constexpr):
     """_mxfp4_run_part for a tile of W rows at once: w_rows, s_rows the rows' byte and scale pointers ([R, 1, 1],
-    [R, 1]), the step's byte columns, masks and scale offsets broadcast against them -> [R, RUNS] partial sums times
-    their runs' scales."""
-    if MASKED:
-        s = tl.load(s_rows + s_cols, mask=run_ok, other=127).to(tl.int32)
-    else:
-        s = tl.load(s_rows + s_cols).to(tl.int32)
-    if DECODE == 6:
-        wr = w_rows.to(tl.pointer_type(tl.int32))  # (bcols, b_ok: word columns [.., RUNS, 4] and their mask)
-        if MASKED:
-            w = tl.load(wr + bcols, mask=b_ok, other=0)
-        else:
-            w = tl.load(wr + bcols)
-        part = _mxfp4_word_chain_part(w, x_lo, x_hi)
+    [R, 1]), the step's byte columns (words-fma: word columns [.., RUNS, 4]), masks and scale offsets broadcast
+    against them -> [R, RUNS] partial sums times their runs' scales."""
+    if DECODE == 6:  # (x's columns split into the words' bytes: _mxfp4_word_tile's)
+        shape: tl.constexpr = [w_rows.shape[0], bcols.shape[1], 16]  # (x broadcast over the rows, as W's tile)
+        xl0, xl2, xl1, xl3 = _quarters(tl.broadcast_to(x_lo, shape))
+        xh0, xh2, xh1, xh3 = _quarters(tl.broadcast_to(x_hi, shape))
+        result = _mxfp4_word_tile(w_rows, s_rows, bcols, b_ok, run_ok, s_cols, xl0, xh0, xl1, xh1, xl2, xh2, xl3,
+                                  xh3, MASKED)
     else:
         if MASKED:
             b = tl.load(w_rows + bcols, mask=b_ok, other=0).to(tl.int32)
+            s = tl.load(s_rows + s_cols, mask=run_ok, other=127).to(tl.int32)
         else:
             b = tl.load(w_rows + bcols).to(tl.int32)
+            s = tl.load(s_rows + s_cols).to(tl.int32)
         if DECODE == 5:
             part = _mxfp4_chain_part(b, x_lo, x_hi)
         elif DECODE == 4:
             part = _mxfp4_pairs_part(b, x_lo, x_hi)
         else:
             part = _mxfp4_bits_part(b, x_lo, x_hi)
-    return part * _e8m0(s)
+        result = part * _e8m0(s)
+    return result
 
 
 @triton.jit
@@ -1353,19 +1342,7 @@ def _mxfp4_down_choices(
     a3 = tl.zeros([TOPK_P2, RUNS], tl.float32)
     for k0 in tl.range(0, K, RUNS * 32, num_stages=NUM_STAGES):
         starts = k0 + tl.arange(0, RUNS) * 32
-        bcols = ((starts // 2)[:, None] + tl.arange(0, 16)[None, :])[None, :, :]
-        if EVEN_K:  # (tl.load broadcasts a mask to its pointers' shape)
-            b_ok = live[:, None, None]
-            run_ok = live[:, None]
-        else:
-            b_ok = live[:, None, None] & (bcols < K // 2)
-            run_ok = live[:, None] & (starts < K)[None, :]
-        v = tl.load(h_rows + bcols, mask=b_ok, other=0)
-        x_lo = (v << 16).to(tl.float32, bitcast=True)
-        x_hi = (v & -65536).to(tl.float32, bitcast=True)
-        if DECODE >= 4:
-            x_lo *= _TWO63
-            x_hi *= _TWO63
+        run_ok = live[:, None] if EVEN_K else live[:, None] & (starts < K)[None, :]  # (tl.load broadcasts a mask)
         group = (starts // 32)[None, :]
         if DECODE == 6:  # (W as int32 words, x's pairs loaded as one tile per byte of a word)
             # (j * 4 // 4: Triton no longer sees a run's 4 words as contiguous and gives W's tile the layout of x's
@@ -1386,6 +1363,14 @@ def _mxfp4_down_choices(
             a3 += _mxfp4_word_tile(w_e + r3.to(tl.int64) * stride_wn, s_e + r3.to(tl.int64) * stride_sn, wcols, w_ok,
                                    run_ok, group * stride_sk, xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3, True)
         else:
+            bcols = ((starts // 2)[:, None] + tl.arange(0, 16)[None, :])[None, :, :]
+            b_ok = live[:, None, None] if EVEN_K else live[:, None, None] & (bcols < K // 2)
+            v = tl.load(h_rows + bcols, mask=b_ok, other=0)
+            x_lo = (v << 16).to(tl.float32, bitcast=True)
+            x_hi = (v & -65536).to(tl.float32, bitcast=True)
+            if DECODE >= 4:
+                x_lo *= _TWO63
+                x_hi *= _TWO63
             a0 += _mxfp4_tile_part(w_e + r0.to(tl.int64) * stride_wn, s_e + r0.to(tl.int64) * stride_sn, bcols,
                                    b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
             a1 += _mxfp4_tile_part(w_e + r1.to(tl.int64) * stride_wn, s_e + r1.to(tl.int64) * stride_sn, bcols,
