@@ -196,6 +196,10 @@ class TuningConfig:
         "the rest keep PDL (for measuring: a batch-1 MoE step was shorter with pdl off altogether)"))
     moe_triton_max_tokens: int = field(default=64, metadata=_knob(
         "steps of up to this many tokens run the routed experts through the Triton kernels; 0 = never"))
+    moe_pairs_max_tokens: int = field(default=4, metadata=_knob(
+        "steps of up to this many tokens (0-4) take the Triton expert kernels that read the (token, choice) pairs "
+        "unsorted (the fused pairs or the MXFP4 row tiles); above, the grouped tensor-core kernel over the pairs "
+        "sorted by expert. 0 = the grouped kernel at every token count (for measuring it at batch 1)"))
     moe_grouped_block_m: int = field(default=0, metadata=_knob(
         "rows of one expert that a program of the Triton grouped expert kernel multiplies at once (16, 32, 64 or "
         "128; each chunk reads the expert's weight slice again); 0 = from the rows per expert of the step (16 at "
@@ -391,6 +395,8 @@ class TuningConfig:
         for name in ("kv_stages", "mla_kv_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"tuning {name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.moe_pairs_max_tokens <= 4:
+            raise ConfigError(f"tuning moe_pairs_max_tokens must be 0 to 4, got {self.moe_pairs_max_tokens}")
         if self.moe_grouped_block_m not in (0, 16, 32, 64, 128):
             raise ConfigError(f"tuning moe_grouped_block_m must be 0, 16, 32, 64 or 128, got {self.moe_grouped_block_m}")
         if self.moe_mxfp4_decode not in ("bits", "words", "e4m3", "pairs", "pairs-fma", "words-fma"):

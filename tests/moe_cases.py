@@ -152,6 +152,13 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
         dispatched = x.is_cuda and x.shape[0] <= settings.tuning.moe_triton_max_tokens
         if dispatched and not torch.equal(experts(x, weights, ids), got):
             failures.append(f"{name}: forward did not take the Triton path")
+        # (moe_pairs_max_tokens=0: the grouped kernel at these tokens too; the interpreter has no bf16 tl.dot)
+        if x.shape[0] <= MOE_PAIRS_MAX_TOKENS and (x.is_cuda or dtype == torch.float32):
+            with settings.tuned(moe_pairs_max_tokens=0):
+                grouped = experts.forward_triton(x, weights, ids)
+            err = ((grouped.float() - ref).abs().max() / ref.abs().max()).item()
+            if grouped.dtype != dtype or not err <= tol:
+                failures.append(f"{name}, moe_pairs_max_tokens=0: max error {err:.3g} (of the largest) > {tol}")
         if x.shape[0] > MOE_PAIRS_MAX_TOKENS:  # (rows by index and the weights' sum in one kernel, or copied)
             other = not settings.tuning.moe_grouped_gather
             with settings.tuned(moe_grouped_gather=other):

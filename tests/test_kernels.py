@@ -92,6 +92,8 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
         settings.set_kernel_settings(before)
     with pytest.raises(ConfigError, match="moe_grouped_block_m"):
         TuningConfig(moe_grouped_block_m=48)
+    with pytest.raises(ConfigError, match="moe_pairs_max_tokens"):  # (the unsorted-pairs kernels: up to 4 tokens)
+        TuningConfig(moe_pairs_max_tokens=5)
     for w, s, fmt in (("*bf16", "*bf16", dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False)),
                       ("*fp8e4nv", "*fp32", dict(FP8=True, GROUP_N=128, GROUP_K=128, MXFP4=False)),
                       ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True)),

@@ -97,8 +97,15 @@ TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 # Up to this many tokens the kernels take the (token, choice) pairs unsorted (no argsort, no scatter back,
 # no offsets: several small launches a layer fewer); an expert two pairs chose is read twice, ~20 % more
-# bytes than the distinct experts' at 4 tokens x 6 of 64 experts (V2-Lite).
+# bytes than the distinct experts' at 4 tokens x 6 of 64 experts (V2-Lite). The moe_pairs_max_tokens knob lowers it.
 MOE_PAIRS_MAX_TOKENS = 4
+
+
+def _pairs_max_tokens() -> int:
+    """The most tokens the unsorted-pairs kernels take (MOE_PAIRS_MAX_TOKENS, or fewer by the knob)."""
+    return min(MOE_PAIRS_MAX_TOKENS, settings.tuning.moe_pairs_max_tokens)
+
+
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The E8M0 code of --load-format dummy's MXFP4 scales: 2^-13.
 MXFP4_DUMMY_SCALE = 127 - 13
@@ -728,7 +735,7 @@ class FusedExperts(nn.Module):
             h = moe_pairs_gate_up_act(x, self.w13, ids, weights, act, bias=self.b13, alpha=alpha, limit=limit,
                                       **self.scales(self.w13), **tiles.get("gate_up", {}))
             return self._pairs_down(h, ids, weights, tiles)
-        if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
+        if t <= _pairs_max_tokens():  # rows already in (token, choice) order
             experts = ids.reshape(-1)
             h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), experts)
             y = moe_pairs_matmul(h, self.w2, ids, 1, **self.scales(self.w2))
@@ -757,7 +764,7 @@ class FusedExperts(nn.Module):
     @staticmethod
     def _fused_pairs(tokens: int) -> bool:
         """Whether forward_triton takes the fused pairs kernels at this many tokens (the moe_fused_pairs knob)."""
-        return tokens <= MOE_PAIRS_MAX_TOKENS and settings.tuning.moe_fused_pairs
+        return tokens <= _pairs_max_tokens() and settings.tuning.moe_fused_pairs
 
     @staticmethod
     def _pairs_tiles() -> dict:
