@@ -23,6 +23,7 @@ import torch
 from moe_fp8_cases import _err, forward_failures
 
 from atlas.kernels import settings
+from atlas.layers.moe import MOE_PAIRS_MAX_TOKENS
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # (of the largest output: the output's own rounding)
 
@@ -94,6 +95,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
     from atlas.kernels.fused_ops_triton import ACT_SILU
     from atlas.kernels.moe import grouped_ref, pairs_ref
     from atlas.kernels.moe_triton import (
+        MXFP4_FOLD_MAX_SCALE,
         moe_grouped_matmul,
         moe_pairs_down_combine,
         moe_pairs_gate_up_act,
@@ -202,6 +204,13 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                             rows = rows.to(torch.bfloat16)
                             with settings.tuned(moe_mxfp4_dot_pairs=True):
                                 got = moe_grouped_matmul(rows, packed, offsets, scale=sc, **gr_tiles)
+                                # (folded, under scales clamped to MXFP4_FOLD_MAX_SCALE: the unfolded bits)
+                                low = sc.clamp(max=MXFP4_FOLD_MAX_SCALE)
+                                folded = moe_grouped_matmul(rows, packed, offsets, scale=low, fold=True, **gr_tiles)
+                                unfolded = moe_grouped_matmul(rows, packed, offsets, scale=low, **gr_tiles)
+                            if not torch.equal(folded, unfolded):
+                                failures.append(f"{tag} grouped {name} in folded bf16 pairs: "
+                                                f"{int((folded != unfolded).sum())} value(s) differ from unfolded")
                             if device == "cuda":
                                 want = moe_grouped_matmul(rows, packed, offsets, scale=sc, **gr_tiles)
                                 if not torch.equal(got, want):
@@ -219,7 +228,7 @@ def check_decoding(device: str) -> list[str]:
     """Every byte (both nibbles, all 16 codes each) under scales from 2^-127 (code 0, a float32 subnormal: CPU only)
     to 2^123, read through the pairs kernel by one-hot rows (y = W^T, one product a sum), equals dequantize_mxfp4's
     float32 weights exactly; through the grouped kernel's bf16 pairs (scales from 2^-125), its bf16 weights."""
-    from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_matmul
+    from atlas.kernels.moe_triton import MXFP4_FOLD_MAX_SCALE, moe_grouped_matmul, moe_pairs_matmul
     from atlas.models.quantization import dequantize_mxfp4
 
     # (one run of 32 a row, 16 bytes: rows 16 j .. 16 j + 15 hold every byte value once, under scale code j, so
@@ -247,6 +256,15 @@ def check_decoding(device: str) -> list[str]:
                                  torch.tensor([0, cols], device=device), scale=scales, block_n=128, block_k=32)
     if not torch.equal(got, want):
         failures.append(f"MXFP4 decoding in bf16 pairs: {int((got != want).sum())} weight(s) differ")
+    # folded (fold: every scale code at most MXFP4_FOLD_MAX_SCALE, one multiply by 2^(s - 1) a pair): the same weights
+    folded = scales.clamp(max=MXFP4_FOLD_MAX_SCALE)
+    want = dequantize_mxfp4(blocks, folded, torch.bfloat16, device)[0].T
+    with settings.tuned(moe_mxfp4_dot_pairs=True):
+        got = moe_grouped_matmul(torch.eye(cols, device=device, dtype=torch.bfloat16), blocks.view(1, rows, cols // 2),
+                                 torch.tensor([0, cols], device=device), scale=folded, block_n=128, block_k=32,
+                                 fold=True)
+    if not torch.equal(got, want):
+        failures.append(f"MXFP4 decoding in folded bf16 pairs: {int((got != want).sum())} weight(s) differ")
     return failures
 
 
@@ -324,6 +342,36 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
                 failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} MXFP4 FusedExperts (biases, "
                                              f"clamped SwiGLU), {t} tokens, fused pairs {fused}, row tiles "
                                              f"{row_tiles}, decode {decode}")
+    failures += check_forward_folded(device, shape, [t for t in tokens if t > MOE_PAIRS_MAX_TOKENS])
+    return failures
+
+
+def check_forward_folded(device: str, shape: Shape, tokens) -> list[str]:
+    """The grouped path in bf16 with the scales' fold (the moe_mxfp4_fold knob; note_mxfp4_scales after loading: every
+    scale code at most MXFP4_FOLD_MAX_SCALE) against forward_grouped, and on CUDA bit for bit the unfolded output;
+    scale codes above it (mxfp4_weight's reach 130) keep it off."""
+    from atlas.kernels.moe_triton import MXFP4_FOLD_MAX_SCALE
+    from atlas.layers.moe import note_mxfp4_scales
+
+    failures, dtype = [], torch.bfloat16
+    for t in tokens:
+        g = torch.Generator(device).manual_seed(970 + t)
+        experts = mxfp4_experts(g, shape, device, dtype)
+        if note_mxfp4_scales(experts) or experts.mxfp4_fold:
+            failures.append(f"MXFP4 FusedExperts, {t} tokens: scale codes up to "
+                            f"{int(experts.w13_scales.max())} fold")
+        with torch.no_grad():
+            experts.w13_scales.clamp_(max=MXFP4_FOLD_MAX_SCALE)
+            experts.w2_scales.clamp_(max=MXFP4_FOLD_MAX_SCALE)
+        if note_mxfp4_scales(experts) != 1 or not experts.mxfp4_fold:
+            failures.append(f"MXFP4 FusedExperts, {t} tokens: scale codes within {MXFP4_FOLD_MAX_SCALE} do not fold")
+        x, weights, ids = _routing(g, t, shape, device, dtype)
+        with settings.tuned(moe_mxfp4_fold=True):
+            failures += forward_failures(experts, x * 64, weights, ids, TOLERANCE[dtype],
+                                         f"{dtype} MXFP4 FusedExperts, {t} tokens, the scales folded")
+            folded = experts.forward_triton(x * 64, weights, ids)
+        if x.is_cuda and not torch.equal(folded, experts.forward_triton(x * 64, weights, ids)):
+            failures.append(f"MXFP4 FusedExperts, {t} tokens: the scales' fold changes the output")
     return failures
 
 

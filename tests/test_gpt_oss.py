@@ -361,6 +361,7 @@ def test_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_tokens_and_logprobs(m
         quantized = _llm(mxfp4, skip_tokenizer_init=True)
     assert "MXFP4 expert weights (quant_method mxfp4), kept in MXFP4" in caplog.text
     _assert_mxfp4_form(quantized)
+    assert all(m.mxfp4_fold for m in _experts(quantized))  # (the fixture's scale codes, 121-124, are within 128)
     # the moe_l2_prefetch knob's links: each layer's experts to the next layer's q|k|v projection (the last layer's to
     # the next linear layer after it, if any)
     from atlas.layers.moe import link_l2_prefetch
@@ -580,6 +581,7 @@ def test_tool_config_only_shape_runs_with_dummy_weights(tmp_path, caplog):
     stacks = _experts(llm)
     assert stacks and all(m.mxfp4 and int(m.w13_scales.min()) == int(m.w2_scales.max()) == 127 - 13
                           for m in stacks)
+    assert all(m.mxfp4_fold for m in stacks)  # (scale codes within 128: the grouped kernel's one multiply a pair)
     assert [len(t) for t in _tokens(llm.generate([{"prompt_token_ids": [3, 4, 5]}], _greedy(6)))] == [6]
     assert_pages_returned(llm)
 

@@ -64,7 +64,8 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob; at 0 (the default), 16 at decode sizes,
     growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once), for
     MXFP4 weights with 8x the mean rows; a bad knob is a ConfigError. At 128 it compiles for sm90 within a program's
-    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes); so do its form that reads and writes
+    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes, the bf16 pairs also with the scales'
+    fold); so do its form that reads and writes
     rows by index and the one-kernel sum of a token's rows (moe_grouped_gather), with the activation as gate|up's
     epilogue (moe_grouped_act), and the one-program sort of the pairs by expert (moe_expert_sort)."""
     pytest.importorskip("triton")
@@ -97,7 +98,9 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     for w, s, fmt in (("*bf16", "*bf16", dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False)),
                       ("*fp8e4nv", "*fp32", dict(FP8=True, GROUP_N=128, GROUP_K=128, MXFP4=False)),
                       ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True)),
-                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON))):
+                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON)),
+                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON,
+                                          FOLD=True))):
         kernel = compiled_for_sm90(moe_triton._moe_matmul_grouped_kernel,
                                    {"x_ptr": "*bf16", "w_ptr": w, "y_ptr": "*bf16", "s_ptr": s},
                                    dict(BLOCK_M=128, BLOCK_N=moe_triton.GROUPED_BLOCK_N, BLOCK_K=moe_triton.GROUPED_BLOCK_K,
@@ -105,6 +108,8 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
                                         IEEE=False, **fmt),
                                    num_warps=moe_triton.GROUPED_NUM_WARPS)
         assert 0 < kernel.metadata.shared <= 227 * 1024, (w, kernel.metadata.shared)
+        # (the scales' fold, FusedExperts.mxfp4_fold: each pair scaled by one bf16x2 fused multiply-add)
+        assert ("fma.rn.bf16x2" in kernel.asm["ptx"]) == fmt.get("FOLD", False), fmt
     # (reading x's rows and writing y's by index, the moe_grouped_gather knob: bf16 and MXFP4 weights in bf16 pairs)
     for w, s, fmt in (("*bf16", "*bf16", dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False)),
                       ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON))):

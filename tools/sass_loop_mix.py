@@ -15,7 +15,8 @@ routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-ga
 through the row tiles), mxfp4-moe-gate-up and mxfp4-moe-gate-up-rt (gpt-oss-20b's MXFP4 gate|up: pairs, row tiles), mxfp4-moe-down-rt
 (its down + combine in row tiles: the counts are the loop over one choice's columns), mxfp4-moe-grouped and
 mxfp4-moe-grouped-pairs (its experts above 4 tokens in the grouped tensor-core kernel, each code through float32 or
-a byte's two codes to a bf16 pair: the counts are the K loop's, 32 rows a chunk); -pairs-fma and -words-fma forms of
+a byte's two codes to a bf16 pair: the counts are the K loop's, 32 rows a chunk; -fold: the pair scaled by one
+multiply, FusedExperts.mxfp4_fold; -m128: 128 rows a chunk, 256 requests' chunk); -pairs-fma and -words-fma forms of
 the gate|up columns and down choices kernels (moe_mxfp4_decode), down's also on 4 warps (-w4).
 
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
@@ -34,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BYTES_PER_CLOCK = 16.5  # the copy rate a clock and SM (module docstring)
-INNERMOST = {"mxfp4-moe-grouped", "mxfp4-moe-grouped-pairs"}  # (kernels whose step is an inner loop)
+INNERMOST = {"mxfp4-moe-grouped", "mxfp4-moe-grouped-pairs", "mxfp4-moe-grouped-pairs-fold",
+             "mxfp4-moe-grouped-pairs-m128", "mxfp4-moe-grouped-pairs-fold-m128"}  # (kernels whose step is an inner loop)
 
 
 def loop_of(sass: str, innermost: bool = False) -> list[str]:
@@ -191,6 +193,12 @@ def kernels() -> dict:
             HAS_BIAS=False), ["x_ptr", "w_ptr", "y_ptr", "s_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn",
                               "stride_ym", "stride_se", "stride_sn"], mt.GROUPED_NUM_WARPS, mt.GROUPED_NUM_STAGES,
             mt.GROUPED_BLOCK_N * mt.GROUPED_BLOCK_K)
+    # (the pairs with the scales' fold, FusedExperts.mxfp4_fold: one multiply a pair; and both at 128 rows a chunk,
+    # the chunk at 256 requests)
+    gk, gsig, gconst, *grest = table["mxfp4-moe-grouped-pairs"]
+    table["mxfp4-moe-grouped-pairs-fold"] = (gk, gsig, dict(gconst, FOLD=True), *grest)
+    table["mxfp4-moe-grouped-pairs-m128"] = (gk, gsig, dict(gconst, BLOCK_M=128), *grest)
+    table["mxfp4-moe-grouped-pairs-fold-m128"] = (gk, gsig, dict(gconst, BLOCK_M=128, FOLD=True), *grest)
     mx_sig = {"x_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
               "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_se",
                                                   "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32"),
@@ -245,7 +253,9 @@ def main() -> None:
                                           "mxfp4-moe-gate-up-rt,mxfp4-moe-gate-up-rt-pairs,mxfp4-moe-gate-up-cols4-pairs,"
                                           "mxfp4-moe-gate-up-cols8-pairs,mxfp4-moe-down-rt,mxfp4-moe-down-choices,"
                                           "mxfp4-moe-down-choices-pairs,mxfp4-moe-grouped,"
-                                          "mxfp4-moe-grouped-pairs,mxfp4-moe-gate-up-cols4-pairs-fma,"
+                                          "mxfp4-moe-grouped-pairs,mxfp4-moe-grouped-pairs-fold,"
+                                          "mxfp4-moe-grouped-pairs-m128,mxfp4-moe-grouped-pairs-fold-m128,"
+                                          "mxfp4-moe-gate-up-cols4-pairs-fma,"
                                           "mxfp4-moe-gate-up-cols4-words-fma,mxfp4-moe-down-choices-pairs-fma,"
                                           "mxfp4-moe-down-choices-words-fma,mxfp4-moe-down-choices-pairs-fma-w4,"
                                           "mxfp4-moe-down-choices-words-fma-w4")

@@ -270,6 +270,22 @@ class TopKRouter(nn.Module):
                        self.e_score_correction_bias, cfg.norm_floor, cfg.norm_eps)
 
 
+def note_mxfp4_scales(model: nn.Module) -> int:
+    """After loading: each MXFP4 FusedExperts of the model notes whether every E8M0 scale code of its experts is at
+    most MXFP4_FOLD_MAX_SCALE (a block scale of at most 2: gpt-oss's, and --load-format dummy's 2^-13), where the
+    grouped kernel's bf16 pairs take one multiply a pair (kernels/moe_triton._mxfp4_bf16_pairs); one host sync for
+    the model. -> how many fold."""
+    from atlas.kernels.moe_triton import MXFP4_FOLD_MAX_SCALE
+
+    stacks = [m for m in model.modules() if isinstance(m, FusedExperts) and m.mxfp4]
+    if not stacks:
+        return 0
+    peaks = torch.stack([torch.maximum(m.w13_scales.max(), m.w2_scales.max()) for m in stacks]).tolist()
+    for m, peak in zip(stacks, peaks, strict=True):
+        m.mxfp4_fold = peak <= MXFP4_FOLD_MAX_SCALE
+    return sum(m.mxfp4_fold for m in stacks)
+
+
 def link_l2_prefetch(model: nn.Module) -> list[tuple[str, str]]:
     """Each MXFP4 FusedExperts -> the next linear layer in the model's module order (the next decoder layer's first
     projection), whose weight its one-token down kernel then asks the L2 for while it runs (the moe_l2_prefetch
@@ -371,6 +387,9 @@ class FusedExperts(nn.Module):
         self.fp8 = self._fp8_scheme(current_scheme(), bias or swiglu is not None or silu_limit is not None,
                                     hidden_size)
         self.mxfp4 = mxfp4
+        # (every E8M0 scale code of the experts at most MXFP4_FOLD_MAX_SCALE: set once they are loaded,
+        #  note_mxfp4_scales; the grouped kernel then scales a bf16 pair by one multiply)
+        self.mxfp4_fold = False
         if mxfp4:
             reason = mxfp4_unusable(hidden_size, intermediate_size)
             if reason is not None or self.fp8 is not None:
@@ -746,14 +765,19 @@ class FusedExperts(nn.Module):
             epilogue = settings.tuning.moe_grouped_act  # (the activation in gate|up's kernel: no [M, 2I] products)
             act = dict(zip(("act", "alpha", "limit"), self._fused_activation(), strict=True)) if epilogue else {}
             h = moe_grouped_matmul(x, self.w13, groups, bias=self._expert_bias(self.w13), rows=rows, **act,
-                                   **self.scales(self.w13))
+                                   **self.scales(self.w13), fold=self._folds())
             if not epilogue:
                 h = self._activate(h, None, bias_added=True)
             y = moe_grouped_matmul(h, self.w2, groups, bias=self._expert_bias(self.w2), out_rows=order,
-                                   **self.scales(self.w2))
+                                   **self.scales(self.w2), fold=self._folds())
             return moe_combine(y, weights.float(), x.dtype)
         return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
-            rows, w, groups, bias=self._expert_bias(w), **self.scales(w)), offsets=True, adds_biases=True)
+            rows, w, groups, bias=self._expert_bias(w), **self.scales(w), fold=self._folds()), offsets=True,
+            adds_biases=True)
+
+    def _folds(self) -> bool:
+        """Whether the grouped kernel scales MXFP4 pairs by one multiply (mxfp4_fold, under the moe_mxfp4_fold knob)."""
+        return self.mxfp4_fold and settings.tuning.moe_mxfp4_fold
 
     def _expert_bias(self, w: torch.Tensor) -> torch.Tensor | None:
         """The bias [E, N] of the projection w (w13 or w2) that this rank adds, or None."""

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from atlas.config import HubAccess, ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.linear import Linear, quantizing
+from atlas.layers.moe import note_mxfp4_scales
 from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
 from atlas.models.quantization import (
@@ -270,6 +271,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
             model.load_weights(weights)
     if loads_mxfp4(cfg.raw):  # (after loading: the form the experts hold)
+        note_mxfp4_scales(model)
         name = str(dtype).removeprefix("torch.")
         if getattr(model, "mxfp4_experts", False):
             logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s MXFP4 (uint8 FP4 codes with E8M0 "
