@@ -199,7 +199,9 @@ class TuningConfig:
     moe_pairs_max_tokens: int = field(default=4, metadata=_knob(
         "steps of up to this many tokens (0-4) take the Triton expert kernels that read the (token, choice) pairs "
         "unsorted (the fused pairs or the MXFP4 row tiles); above, the grouped tensor-core kernel over the pairs "
-        "sorted by expert. 0 = the grouped kernel at every token count (for measuring it at batch 1)"))
+        "sorted by expert. 0 = the grouped kernel at every token count (for measuring it: on an H200 gpt-oss-20b's "
+        "batch-1 step 2.830 ms with it, the one-program sort, the activation epilogue and the scales' fold, against "
+        "the row tiles' 2.068; BENCHMARKS.md 7.3)"))
     moe_grouped_block_m: int = field(default=0, metadata=_knob(
         "rows of one expert that a program of the Triton grouped expert kernel multiplies at once (16, 32, 64 or "
         "128; each chunk reads the expert's weight slice again); 0 = from the rows per expert of the step (16 at "
@@ -255,12 +257,13 @@ class TuningConfig:
         "ahead; on sm_90 with Triton 3.6 its loop issues 0.19 warp instructions a weight against 0.30 (the codes "
         "through float32; gpt-oss-20b's step on an H100 at 64 requests 9.18 ms against 10.35, at 256 16.88 against "
         "19.95); off = through float32. bf16 activations only"))
-    moe_mxfp4_fold: bool = field(default=False, metadata=_knob(
+    moe_mxfp4_fold: bool = field(default=True, metadata=_knob(
         "MXFP4 routed experts in the grouped tensor-core kernel (above 4 tokens) whose every E8M0 scale code is at "
         "most 128 (a block scale of at most 2; checked once as they load): each bf16 pair scaled by one multiply by "
-        "2^(s - 1) in place of 2^126 and then 2^(s - 127), the same exact values (on sm_90 with Triton 3.6 the loop "
-        "issues 0.176 warp instructions a weight against 0.194 at 32 rows a chunk, 0.206 against 0.224 at 128). Off "
-        "until timed on a GPU"))
+        "2^(s - 1) in place of 2^126 and then 2^(s - 127), the same exact values, bit for bit (on sm_90 with Triton "
+        "3.6 the loop issues 0.176 warp instructions a weight against 0.194 at 32 rows a chunk, 0.206 against 0.224 "
+        "at 128). On an H200 gpt-oss-20b's step at 64 requests 4.302 / 4.257 ms against 4.360 / 4.372 off, at 256 "
+        "7.947 / 7.871 against 8.100 / 8.065 (BENCHMARKS.md 7.3); off = the two multiplies"))
     moe_mxfp4_row_tiles: bool = field(default=True, metadata=_knob(
         "MXFP4 routed experts' (gpt-oss) gate|up with its activation and down with the routing weights' sum at a "
         "few tokens in row tiles (each thread summing runs of 32 columns, one scale each); off = the pairs kernels, "
@@ -300,7 +303,9 @@ class TuningConfig:
         "only, pairs-fma (pairs' decode, each thread's products summed as a chain of fused multiply-adds) or "
         "words-fma (W's int32 words, each code's float32 bits by a mask, a multiply and a mask, no byte extracted, "
         "fused multiply-adds): gate|up 0.175 warp instructions a weight against pairs' 0.207, down 0.171 on 4 warps "
-        "(moe_mxfp4_row_steps' WARPS) against 0.214 (sm_90, Triton 3.6; not yet timed on a GPU). The same "
+        "(moe_mxfp4_row_steps' WARPS) against 0.214 (sm_90, Triton 3.6), yet on an H200 gpt-oss-20b's batch-1 step "
+        "2.400 ms with words-fma against pairs' 2.075 / 2.071, and 2.053 with pairs-fma (down on 4 warps) against "
+        "2.068 / 2.070 (one pass, within the passes' spread: BENCHMARKS.md 7.3). The same "
         "products, summed in another order in the word and FMA forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
         "Triton 3.6: 513 / 458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 "
         "(words) and 3.01 (e4m3) at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
