@@ -62,9 +62,13 @@ spacing: it is set by what a drafted probe costs, while an n-gram probe that fin
 Both sides are measured while serving, nothing is assumed:
 - a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text suits the
   drafter keeps its own estimate; weight `acceptance_weight` 0.25 on the newest step, about the last seven steps). A
-  request not measured yet counts as accepting half its drafts, or the recent mean of all requests if that is more,
-  so that a new request alone (batch 1) is measured by its first steps instead of waiting for a probe, while one new
-  request among many moves the mean little;
+  request not measured yet counts as accepting the recent mean of all requests once that mean has followed
+  `prior_steps` (32) observations, and before that half its drafts or the mean if more (so that the first requests
+  are measured by their first steps instead of waiting for a probe). Counted at half its drafts whatever the recent
+  requests accepted, each new wave of 256 requests among drafts never accepted looked nearly free to probe and
+  drafted one step at a verify step's cost (0.953x plain decoding at 256 streams on an H200, session 90; replayed
+  with tools/policy_replay.py on waves that accept nothing, a verify step at 5 plain steps: 0.975 -> 0.986x), while
+  on code new requests are like the recent ones and draft from their first step as before;
 - T_verify, T_plain: the measured time between successive step launches (the median of the recent ones), per
   kind and per batch-size bucket (a power of two), from steps that carry decodes only (a prefill chunk would
   make the step incomparable). A bucket not measured yet borrows the ratio of the nearest measured one; with none,
@@ -184,6 +188,8 @@ class SpeculationPolicy:
     reuse_steps: int = 16  # steps a "plain" decision may be repeated for an unchanged batch (decide_same_batch)
     shrink_steps: float = 8.0  # verify steps at the mean of all requests each request's whole-life mean begins with
     onset_window: int = 32  # recent verify steps of requests that had accepted nothing, read for their onset rate
+    # observations after which a request not measured yet is taken at the prior alone (0: never; _unknown)
+    prior_steps: int = 32
     # Draft lengths below num_draft_tokens that a drafting step may take instead (a ladder: each has verify-step
     # CUDA graphs of its own); empty: K only.
     lengths: tuple[int, ...] = ()
@@ -209,6 +215,7 @@ class SpeculationPolicy:
     _off_interval: int | None = None  # the probe spacing of the last decision, when it kept the batch plain by cost
     _reused: int = 0  # times the last full decision has been repeated
     _started: set = field(default_factory=set)  # requests that have accepted a draft
+    _prior_count: int = 0  # observations the prior has followed
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -244,6 +251,7 @@ class SpeculationPolicy:
         total[1] += 1
         # (the prior follows every observation, more slowly: it seeds the requests that arrive next)
         self.prior = accepted if self.prior is None else self.prior + 0.1 * (accepted - self.prior)
+        self._prior_count += 1
 
     def observe_empty(self, request_id: str, batch_size: int) -> None:
         """The proposer had no draft for this request this step (n-gram without a match), in a batch of
@@ -343,7 +351,7 @@ class SpeculationPolicy:
         ids = list(request_ids)
         if not ids:
             return 1.0
-        unknown = max(self.num_draft_tokens / 2, self.prior or 0.0)
+        unknown = self._unknown()
         if remaining is not None and len(ids) > 1:
             # (a maximum over requests: the steady estimates)
             onset = self._onset_rate()
@@ -358,6 +366,14 @@ class SpeculationPolicy:
             return sum(per_request) / len(ids)
         rem = [max(1, n) for n in remaining]
         return max(rem) / max(n / t for n, t in zip(rem, per_request, strict=True))
+
+    def _unknown(self) -> float:
+        """What a request not measured yet is taken to accept a verify step: the recent mean of all requests once
+        `prior_steps` observations made it (new requests are mostly like the recent ones; the module's note), else
+        half its drafts or that mean if more."""
+        if self.prior is not None and self.prior_steps and self._prior_count >= self.prior_steps:
+            return self.prior
+        return max(self.num_draft_tokens / 2, self.prior or 0.0)
 
     def cost_ratio(self, batch_size: int) -> float | None:
         """T_verify / T_plain at this batch size, from the nearest bucket where both are measured; None if none."""
