@@ -272,9 +272,9 @@ class TopKRouter(nn.Module):
 
 def note_mxfp4_scales(model: nn.Module) -> int:
     """After loading: each MXFP4 FusedExperts of the model notes whether every E8M0 scale code of its experts is at
-    most MXFP4_FOLD_MAX_SCALE (a block scale of at most 2: gpt-oss's, and --load-format dummy's 2^-13), where the
-    grouped kernel's bf16 pairs take one multiply a pair (kernels/moe_triton._mxfp4_bf16_pairs); one host sync for
-    the model. -> how many fold."""
+    most MXFP4_FOLD_MAX_SCALE (a block scale of at most 2, as --load-format dummy's 2^-13; a checkpoint with a larger
+    one keeps the two multiplies, the same numbers), where the grouped kernel's bf16 pairs take one multiply a pair
+    (kernels/moe_triton._mxfp4_bf16_pairs); one host sync for the model. -> how many fold."""
     from atlas.kernels.moe_triton import MXFP4_FOLD_MAX_SCALE
 
     stacks = [m for m in model.modules() if isinstance(m, FusedExperts) and m.mxfp4]
