@@ -227,7 +227,8 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
 def check_decoding(device: str) -> list[str]:
     """Every byte (both nibbles, all 16 codes each) under scales from 2^-127 (code 0, a float32 subnormal: CPU only)
     to 2^123, read through the pairs kernel by one-hot rows (y = W^T, one product a sum), equals dequantize_mxfp4's
-    float32 weights exactly; through the grouped kernel's bf16 pairs (scales from 2^-125), its bf16 weights."""
+    float32 weights exactly; through the grouped kernel's bf16 pairs (scales from 2^-125), its bf16 weights, also
+    with the scales' fold (scale codes up to MXFP4_FOLD_MAX_SCALE)."""
     from atlas.kernels.moe_triton import MXFP4_FOLD_MAX_SCALE, moe_grouped_matmul, moe_pairs_matmul
     from atlas.models.quantization import dequantize_mxfp4
 
@@ -370,7 +371,9 @@ def check_forward_folded(device: str, shape: Shape, tokens) -> list[str]:
             failures += forward_failures(experts, x * 64, weights, ids, TOLERANCE[dtype],
                                          f"{dtype} MXFP4 FusedExperts, {t} tokens, the scales folded")
             folded = experts.forward_triton(x * 64, weights, ids)
-        if x.is_cuda and not torch.equal(folded, experts.forward_triton(x * 64, weights, ids)):
+        with settings.tuned(moe_mxfp4_fold=False):
+            unfolded = experts.forward_triton(x * 64, weights, ids)
+        if x.is_cuda and not torch.equal(folded, unfolded):
             failures.append(f"MXFP4 FusedExperts, {t} tokens: the scales' fold changes the output")
     return failures
 
