@@ -774,17 +774,18 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     if m == 0:
         return y
     block_k = _block_k(min(block_k, max(16, triton.next_power_of_2(k))), fp8)  # (tl.dot wants K tiles of 16 or more)
+    pairs = _grouped_pairs(x, fp8)
     _moe_matmul_grouped_kernel[(triton.cdiv(n, block_n), e)](
         x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         BLOCK_M=block_m or grouped_block_m(m, e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=num_stages, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         num_warps=num_warps,
-        PAIRS=_grouped_pairs(x, fp8), HAS_BIAS=bias is not None, b_ptr=bias if bias is not None else y,
+        PAIRS=pairs, HAS_BIAS=bias is not None, b_ptr=bias if bias is not None else y,
         stride_be=0 if bias is None else bias.stride(0), GATHER=rows is not None,
         rows_ptr=rows if rows is not None else offsets, SCATTER=out_rows is not None,
         out_rows_ptr=out_rows if out_rows is not None else offsets, **fp8,
         ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, alpha=float(alpha), limit=float(limit or 0.0),
-        FOLD=bool(fold and fp8["MXFP4"]),
+        FOLD=bool(fold) and pairs != PAIRS_OFF,  # (the bf16 pairs' alone: no other form compiles a variant for it)
     )
     return y
 
