@@ -11,9 +11,6 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; source tools/device_site.sh; FINAL=$OUT; OUT=/tmp/s91a; mkdir -p $OUT
 nvidia-smi --query-gpu=name --format=csv,noheader
 pack() { tar czf $FINAL/s91_call1.tgz -C /tmp s91a; }
-(cd tests && timeout 170 python3 moe_mxfp4_cases.py gpt-oss-20b > $OUT/moe_mxfp4_cases.log 2>&1
- echo "moe_mxfp4_cases exit $? at ${SECONDS}s"; tail -n 4 $OUT/moe_mxfp4_cases.log)
-cuda_tests oss_policy 200 2 tests/test_gpt_oss_cuda.py tests/test_speculation_policy.py; echo "at ${SECONDS}s"; pack
 for s in gpt-oss-20b deepseek-v2-lite; do
   python3 tools/make_random_checkpoint.py --shape $s --out /tmp/$s --config-only > /dev/null
 done
@@ -21,8 +18,11 @@ python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
 lat() { latency_rows "$1" "/tmp/$2" "${@:3}"; pack; }
 for v in q8 q8-fp8; do lat prof_$v $v 1 --profile $OUT/prof_$v --tuning pdl=0; lat prof_pdl_$v $v 1 --profile $OUT/prof_pdl_$v; done
-lat oss_d1 gpt-oss-20b 1; lat oss_auto gpt-oss-20b 1 --tuning gemv=auto; lat oss_d2 gpt-oss-20b 1
-lat v2_d deepseek-v2-lite 1; lat v2_auto deepseek-v2-lite 1 --tuning gemv=auto
-if [ $SECONDS -lt 480 ]; then lat fp8_d q8-fp8 1; lat fp8_auto q8-fp8 1 --tuning gemv=auto; fi
+(cd tests && timeout 170 python3 moe_mxfp4_cases.py gpt-oss-20b > $OUT/moe_mxfp4_cases.log 2>&1
+ echo "moe_mxfp4_cases exit $? at ${SECONDS}s"; tail -n 4 $OUT/moe_mxfp4_cases.log)
+cuda_tests oss_policy 200 2 tests/test_gpt_oss_cuda.py tests/test_speculation_policy.py; echo "at ${SECONDS}s"; pack
+[ $SECONDS -lt 450 ] && { lat oss_d1 gpt-oss-20b 1; lat oss_auto gpt-oss-20b 1 --tuning gemv=auto; lat oss_d2 gpt-oss-20b 1; }
+[ $SECONDS -lt 500 ] && { lat v2_d deepseek-v2-lite 1; lat v2_auto deepseek-v2-lite 1 --tuning gemv=auto; }
+if [ $SECONDS -lt 530 ]; then lat fp8_d q8-fp8 1; lat fp8_auto q8-fp8 1 --tuning gemv=auto; fi
 grep -h -i "gemv" $OUT/*.log | sort | uniq -c | head -20
 pack; echo "done at ${SECONDS}s"
