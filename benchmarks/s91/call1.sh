@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 91, call 1 (carry [".whl"]; under 10 min on an H200). Every file into one archive ($OUT/s91_call1.tgz).
 # 1. Issue 34: the Qwen3-8B shape's batch-1 decode step profiled, bf16 and FP8 block, with PDL off (each kernel's own
-#    time) and on (the default: busy time and idle gaps); `latency_rows ... --profile`.
+#    time) and on (the default: busy time and idle gaps); `latency_rows ... --profile`; and the step's skeleton (the
+#    same kernels with a hidden size of 512: what they cost beside their bytes; benchmarks/s91/README.md).
 # 2. The CUDA tests owed since sessions 88-90's kernel, layer and policy changes (as benchmarks/s91/tests.sh), if
 #    that script has not run on another card first.
 # 3. Issue 41 (session 90's call5.sh), in the time left: the MoE families' batch-1 steps with each one-row GEMV
@@ -17,6 +18,14 @@ python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
 lat() { latency_rows "$1" "/tmp/$2" "${@:3}"; pack; }
 for v in q8 q8-fp8; do lat prof_$v $v 1 --profile $OUT/prof_$v --tuning pdl=0; lat prof_pdl_$v $v 1 --profile $OUT/prof_pdl_$v; done
+# the same step's skeleton: every kernel of the 8B shape's step (36 layers, 32 / 8 heads of 128, its vocabulary) with
+# a hidden size of 512 and an MLP of 1,024, so that its bytes take ~0.1 ms: what the kernels cost beside their bytes
+for v in q8 q8-fp8; do
+  cp -r /tmp/$v /tmp/$v-skel
+  python3 -c "import json, sys; p = sys.argv[1] + '/config.json'; c = json.load(open(p)); \
+c.update(hidden_size=512, intermediate_size=1024); json.dump(c, open(p, 'w'))" /tmp/$v-skel
+  lat skel_$v $v-skel 1
+done
 [ "${TESTS:-1}" = 1 ] && (cd tests && timeout 170 python3 moe_mxfp4_cases.py gpt-oss-20b > $OUT/moe_mxfp4_cases.log 2>&1
  echo "moe_mxfp4_cases exit $? at ${SECONDS}s"; tail -n 4 $OUT/moe_mxfp4_cases.log)
 [ "${TESTS:-1}" = 1 ] && cuda_tests oss_policy 200 2 tests/test_gpt_oss_cuda.py tests/test_speculation_policy.py; echo "at ${SECONDS}s"; pack
