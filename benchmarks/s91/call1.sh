@@ -18,14 +18,17 @@ python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
 lat() { latency_rows "$1" "/tmp/$2" "${@:3}"; pack; }
 for v in q8 q8-fp8; do lat prof_$v $v 1 --profile $OUT/prof_$v --tuning pdl=0; lat prof_pdl_$v $v 1 --profile $OUT/prof_pdl_$v; done
-# the same step's skeleton: every kernel of the 8B shape's step (36 layers, 32 / 8 heads of 128, its vocabulary) with
-# a hidden size of 512 and an MLP of 1,024, so that its bytes take ~0.1 ms: what the kernels cost beside their bytes
-for v in q8 q8-fp8; do
-  cp -r /tmp/$v /tmp/$v-skel
+# each step's skeleton: every kernel of the shape's step (its layers, heads, experts and vocabulary) with a hidden
+# size of 512 and small MLPs, so that its bytes take ~0.1 ms: what the kernels cost beside their bytes
+skel() {  # NAME MODEL HIDDEN MLP [EXPERT_MLP]
+  rm -rf /tmp/$2-skel; cp -r /tmp/$2 /tmp/$2-skel
   python3 -c "import json, sys; p = sys.argv[1] + '/config.json'; c = json.load(open(p)); \
-c.update(hidden_size=512, intermediate_size=1024); json.dump(c, open(p, 'w'))" /tmp/$v-skel
-  lat skel_$v $v-skel 1
-done
+c.update(hidden_size=int(sys.argv[2]), intermediate_size=int(sys.argv[3])); \
+c.update({'moe_intermediate_size': int(sys.argv[4])} if 'moe_intermediate_size' in c else {}); \
+json.dump(c, open(p, 'w'))" /tmp/$2-skel $3 $4 ${5:-0}
+  lat skel_$1 $2-skel 1
+}
+skel q8 q8 512 1024; skel fp8 q8-fp8 512 1024; skel oss gpt-oss-20b 512 512; skel v2 deepseek-v2-lite 512 1024 256
 [ "${TESTS:-1}" = 1 ] && (cd tests && timeout 170 python3 moe_mxfp4_cases.py gpt-oss-20b > $OUT/moe_mxfp4_cases.log 2>&1
  echo "moe_mxfp4_cases exit $? at ${SECONDS}s"; tail -n 4 $OUT/moe_mxfp4_cases.log)
 [ "${TESTS:-1}" = 1 ] && cuda_tests oss_policy 200 2 tests/test_gpt_oss_cuda.py tests/test_speculation_policy.py; echo "at ${SECONDS}s"; pack
