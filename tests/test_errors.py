@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import assert_pages_returned
 from safetensors.torch import load_file, save_file
 
@@ -226,3 +227,21 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "atlas.cli", "generate", "--dtype", "int4"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'int4'" in proc.stderr
+
+
+def test_running_out_of_memory_while_profiling_names_the_fix():
+    """A GPU shared with another engine can run out in the profiling forward, before any KV page is planned: the
+    start refuses with the step's size, what the weights took and the flags that shrink it (runtime/memory_planner.py
+    raises this from torch's OutOfMemoryError), not torch's own message alone."""
+    from atlas.runtime.memory import profiling_ran_out
+
+    torch_said = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 20.19 MiB "
+        "is free. Including non-PyTorch memory, this process has 79.15 GiB memory in use.")
+    error = profiling_ran_out(torch_said, 8192, 256, 16 * 2**30, 32 * 2**30)
+    assert isinstance(error, OutOfMemoryPlanError)
+    message = str(error)
+    for part in ("8,192 tokens, 256 sequences", "16.00 GiB", "32.00 GiB", "Tried to allocate 32.00 MiB",
+                 "--max-num-batched-tokens", "--max-num-seqs", "free the GPU"):
+        assert part in message, (part, message)
+    assert "Including non-PyTorch" not in message

@@ -151,6 +151,18 @@ def check_state_fits(state_bytes: int, budget: int, what: str, more: str, snapsh
             f"--max-num-seqs, or {more}")
 
 
+def profiling_ran_out(exc: BaseException, num_tokens: int, max_num_seqs: int, weights: int,
+                      free_at_start: int) -> OutOfMemoryPlanError:
+    """The error for a device that ran out of memory in the profiling forward (the largest step, before any KV page
+    is planned): what the step was, what the weights took of what was free, and the flags that make it smaller."""
+    said = ". ".join(str(exc).split(". ")[:2])  # (torch's first two sentences: what it tried to allocate)
+    return OutOfMemoryPlanError(
+        f"the GPU ran out of memory profiling the largest step ({num_tokens:,} tokens, {max_num_seqs} sequences) "
+        f"after the weights took {fmt_bytes(weights)} of the {fmt_bytes(free_at_start)} free at start ({said}): "
+        "lower --max-num-batched-tokens or --max-num-seqs, use a smaller model, or free the GPU (another "
+        "process or engine may hold it)")
+
+
 def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,
               weights: int, activation_peak: int, non_torch: int, extra: dict[str, int] | None = None,
               useful_pages: int = 0) -> MemoryPlan:

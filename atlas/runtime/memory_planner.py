@@ -76,7 +76,12 @@ class MemoryPlanner:
                                    DEFAULT_CPU_KV_CACHE_BYTES, target.state_bytes, target.snapshot_bytes)
         else:
             weights = torch.cuda.memory_allocated(device) - self.allocated_at_start
-            peak = self.profile_activation_peak(target, max_num_seqs, max_num_batched_tokens)
+            try:
+                peak = self.profile_activation_peak(target, max_num_seqs, max_num_batched_tokens)
+            except torch.OutOfMemoryError as exc:  # (the profile's tensors are freed as the frames unwind)
+                torch.cuda.empty_cache()
+                raise memory.profiling_ran_out(exc, max_num_batched_tokens, max_num_seqs, weights,
+                                               self.free_at_start) from exc
             free_now, total = torch.cuda.mem_get_info()
             # Memory taken on the device since start-up outside PyTorch's allocator (CUDA context,
             # cuBLAS workspaces, other libraries).
