@@ -185,6 +185,10 @@ class TuningConfig:
     kv_stages: int = field(default=3, metadata=_knob(
         "key tiles in flight in the GQA attention kernel's loop for decode programs (at most 2 for wider "
         "programs, 1 in float32); 1 = no software pipelining"))
+    attention_fused_combine: bool = field(default=False, metadata=_knob(
+        "split-KV GQA decode attention: the last split of each program to finish merges the partials itself (an "
+        "atomic count a program and KV head) in place of the combine kernel after it: one kernel a layer fewer (36 a "
+        "step of the 8B shape, 0.077 ms of kernels on an H100 in session 91's profile); off until timed on a GPU"))
     mla_kv_stages: int = field(default=2, metadata=_knob(
         "latent tiles in flight in the MLA attention kernel's decode programs; 1 = no software pipelining"))
     pdl: bool = field(default=True, metadata=_knob(

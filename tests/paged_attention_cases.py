@@ -171,12 +171,33 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     programs = program_map(case["qsl"], block_q, q.device)
     prog_req, prog_q0 = programs.req, programs.q0
     dev = q.device
+    counts = fused_counts(case, prog_req, kv)
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
         torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"], prog_req, prog_q0,
         block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1),
-        chunk_size=chunk, softcap=softcap)
+        chunk_size=chunk, softcap=softcap, counts=counts)
+    check_counts_back_to_zero(counts)
     return got.float(), ref
+
+
+def fused_counts(case, prog_req: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
+    """For a split case marked "fused_combine": the kernel's counts (zeros, one a program and KV head), so that its
+    last split of each program merges the partials (the attention_fused_combine knob); else None."""
+    if not case.get("fused_combine") or case.get("num_splits", 1) < 2:
+        return None
+    return torch.zeros(prog_req.numel() * kv.shape[3], dtype=torch.int32, device=kv.device)
+
+
+def check_counts_back_to_zero(counts: torch.Tensor | None) -> None:
+    """The next call (a CUDA graph's next replay) starts from zeros: the last split must have reset every count."""
+    if counts is not None and bool(counts.any()):
+        raise AssertionError(f"counts left after the call: {counts.tolist()}")
+
+
+def fused_split_case(seed: int, device: str, dtype: torch.dtype):
+    """A split_case whose last split of each program merges the partials itself (no combine kernel)."""
+    return {**split_case(seed, device, dtype), "fused_combine": True}
 
 
 CASE_KINDS = {"step": random_case, "split": split_case, "fp8": fp8_case}
@@ -230,6 +251,17 @@ def main(make=None, run=None) -> None:
             fp8_problems = check(device, dt, range(n_fp8), fp8_case)
             print("\n".join(f"fp8 cache {dt} {p}" for p in fp8_problems) or f"{n_fp8} fp8-cache cases agree ({dt})")
             problems += fp8_problems
+    if make is None and len(sys.argv) > 4:  # argv[4]: split-KV cases merged by their last split (and with sinks)
+        from sink_attention_cases import run_sink_case, with_sinks
+
+        n_fused = int(sys.argv[4])
+        fused_problems = check(device, dtype, range(n_fused), fused_split_case)
+        fused_problems += [f"with sinks {p}" for p in check(
+            device, dtype, range(n_fused), lambda seed, dev, dt: with_sinks(fused_split_case(seed, dev, dt), seed),
+            run_sink_case)]
+        print("\n".join(f"merged in the kernel {p}" for p in fused_problems)
+              or f"{n_fused} split-KV cases merged in the kernel agree, with and without sinks")
+        problems += fused_problems
     sys.exit(1 if problems else 0)
 
 

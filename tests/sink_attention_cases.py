@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from paged_attention_cases import random_case, split_case
+from paged_attention_cases import check_counts_back_to_zero, fused_counts, random_case, split_case
 
 
 def with_sinks(case: dict, seed: int) -> dict:
@@ -47,11 +47,13 @@ def run_sink_case(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     programs = program_map(case["qsl"], block_q, q.device)
     prog_req, prog_q0 = programs.req, programs.q0
     dev = q.device
+    counts = fused_counts(case, prog_req, kv)
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
         torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"], prog_req, prog_q0,
         block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1),
-        sinks=sinks)
+        sinks=sinks, counts=counts)
+    check_counts_back_to_zero(counts)
     return got.float(), ref
 
 

@@ -142,10 +142,27 @@ def test_split_kv_attention_matches_reference(dtype):
     assert check("cuda", dtype, range(48), split_case) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_kv_attention_merged_by_its_last_split_matches_reference(dtype):
+    """The attention_fused_combine knob's kernel: the last split of each program merges the partials (an atomic
+    count a program and KV head, set back to 0), with and without sinks, against the reference."""
+    from paged_attention_cases import fused_split_case
+    from sink_attention_cases import run_sink_case, with_sinks
+
+    assert check("cuda", dtype, range(48), fused_split_case) == []
+    assert check("cuda", dtype, range(24), lambda seed, dev, dt: with_sinks(fused_split_case(seed, dev, dt), seed),
+                 run_sink_case) == []
+
+
+@pytest.mark.parametrize("fused_combine", [False, True])
 @pytest.mark.parametrize("window", [None, 100])
-def test_split_kv_attention_inside_a_cuda_graph(window):
+def test_split_kv_attention_inside_a_cuda_graph(window, fused_combine):
     """A captured decode step (as StepGraphs captures them: static buffers, program map preset) replayed
-    for sequence lengths the capture never saw, short ones leaving splits empty (split-KV: the default)."""
+    for sequence lengths the capture never saw, short ones leaving splits empty (split-KV: the default); with
+    the attention_fused_combine knob the replays share one set of counts, which a replay that left them other than
+    0 would leave unmerged (the next replay's outputs stale)."""
+    from atlas.config import TuningConfig
+    from atlas.kernels import settings
     from atlas.kernels.paged_attention import num_kv_splits, paged_attention, sm_count
     from atlas.kernels.paged_attention_ref import paged_attention_ref
 
@@ -159,15 +176,20 @@ def test_split_kv_attention_inside_a_cuda_graph(window):
     tables = torch.randperm(num_pages, generator=g)[: B * per_seq].view(B, per_seq).to(dev, torch.int32)
     q = torch.zeros(B, kv_heads * group, D, dtype=dtype, device=dev)
     scale = D ** -0.5
-    step = captured_decode_step(lambda meta: paged_attention(q, kv, meta, scale, True, window), B, tables, page, dev)
-    for lens in ([1, 7], [33, 300], [max_len, 515], [64, 1]):
-        step.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        q.copy_(torch.randn(q.shape, generator=g).to(dtype))
-        step.graph.replay()
-        torch.cuda.synchronize()
-        ref = paged_attention_ref(q.float(), kv.float(), list(range(B + 1)), lens, tables, scale, True, window)
-        err = (step.out.float() - ref).abs().max().item()
-        assert err < 2e-2, (lens, err)
+    settings.set_kernel_settings(TuningConfig(attention_fused_combine=fused_combine))
+    try:
+        step = captured_decode_step(lambda meta: paged_attention(q, kv, meta, scale, True, window), B, tables, page,
+                                    dev)
+        for lens in ([1, 7], [33, 300], [max_len, 515], [64, 1]):
+            step.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            q.copy_(torch.randn(q.shape, generator=g).to(dtype))
+            step.graph.replay()
+            torch.cuda.synchronize()
+            ref = paged_attention_ref(q.float(), kv.float(), list(range(B + 1)), lens, tables, scale, True, window)
+            err = (step.out.float() - ref).abs().max().item()
+            assert err < 2e-2, (lens, err)
+    finally:
+        settings.set_kernel_settings(TuningConfig())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -19,6 +19,13 @@ def test_paged_attention_kernel_in_the_interpreter():
     assert "12 split-KV cases agree" in out
 
 
+def test_split_attention_merged_by_its_last_split_in_the_interpreter():
+    """The attention_fused_combine knob: split-KV decode cases (2 to 32 splits, some empty) whose last split of each
+    program merges the partials itself, with and without sinks, against the reference; every count back at 0."""
+    out = run_in_triton_interpreter("paged_attention_cases.py", "0", "0", "0", "8")
+    assert "8 split-KV cases merged in the kernel agree, with and without sinks" in out
+
+
 def test_gemv_kernel_in_the_interpreter():
     """y = x @ W^T for M = 1..8, N and K off the block sizes, with and without bias, every config."""
     out = run_in_triton_interpreter("gemv_cases.py", "16")  # (16 seeds: every config, row count, N and K)
@@ -226,7 +233,7 @@ def test_paged_attention_kernel_compiles_for_sm90_in_each_mode(mode):
 
     from atlas.kernels.paged_attention_triton import _paged_attention_kernel
 
-    flags = dict(USE_CHUNK=mode == "chunk", SOFTCAP=mode == "softcap", USE_WINDOW=False)
+    flags = dict(USE_CHUNK=mode == "chunk", SOFTCAP=mode == "softcap", USE_WINDOW=False, FUSED_COMBINE=False)
     for cache, v_t, dot_f16 in (("*bf16", False, False), ("*fp8e4nv", True, True)):
         for splits in (1, 4):
             ptx = compile_for_sm90(
@@ -238,3 +245,26 @@ def test_paged_attention_kernel_compiles_for_sm90_in_each_mode(mode):
                      IEEE=False, NUM_SPLITS=splits, NUM_STAGES=2, DOT_F16=dot_f16, V_T=v_t, PDL=False,
                      HAS_SINKS=False, **flags))
             assert ".entry" in ptx, (mode, cache, splits)
+
+
+def test_split_attention_merged_by_its_last_split_compiles_for_sm90():
+    """The attention_fused_combine knob's kernel compiled for the H200 on this CPU, with sinks, at 4 and 32 splits:
+    the count is one gpu-scope acquire-release atomic add (the partials every thread stored are ordered before it,
+    the merging split's loads after), and the other splits' partials are read past L1 (ld.global.cg)."""
+    pytest.importorskip("triton")
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels.paged_attention_triton import _paged_attention_kernel
+
+    for splits in (4, 32):
+        ptx = compile_for_sm90(
+            _paged_attention_kernel,
+            {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "part_m_ptr": "*fp32",
+             "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counts_ptr": "*i32", "sinks_ptr": "*bf16",
+             "scale": "fp32", "softcap": "fp32"},
+            dict(PAGE=16, GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=32, HEAD_DIM=128, BLOCK_D=128, CAUSAL=True,
+                 IEEE=False, NUM_SPLITS=splits, NUM_STAGES=3, DOT_F16=False, V_T=False, PDL=False, HAS_SINKS=True,
+                 USE_CHUNK=False, SOFTCAP=False, USE_WINDOW=False, FUSED_COMBINE=True))
+        atomics = re.findall(r"atom\.global\.[a-z_.0-9]+", ptx)
+        assert atomics and all(all(p in a for p in (".gpu", ".acq_rel", ".add")) for a in atomics), (splits, atomics)
+        assert "ld.global.cg" in ptx, splits

@@ -64,12 +64,12 @@ def attn(batch, ctx, heads, kvh, kvdt, layout, block_n, stages, warps=4, D=128, 
         tab = (tables * kvh).to(dev)
     def run():
         pat._paged_attention_kernel[(preq.numel(), kvh, 1)](
-            q, k, v, o, o, o, o, tab, lens, qsl_d, preq, pq0, o, scale, 0, 1, 1.0,
+            q, k, v, o, o, o, o, lens, tab, lens, qsl_d, preq, pq0, o, scale, 0, 1, 1.0,
             q.stride(0), q.stride(1), s_slot, s_h, o.stride(0), o.stride(1), tab.stride(0),
             PAGE=PAGE, GROUP=heads // kvh, BLOCK_Q=bq, BLOCK_M=bm, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=D,
             CAUSAL=True, USE_WINDOW=False, IEEE=False, NUM_SPLITS=1, NUM_STAGES=stages,
             DOT_F16=kvdt.itemsize == 1, V_T=False, PDL=False, HAS_SINKS=False, USE_CHUNK=False, SOFTCAP=False,
-            num_warps=warps)
+            FUSED_COMBINE=False, num_warps=warps)
         return o
     err = ((run().float() - exact).abs().max() / (1 + exact.abs().max())).item()
     ms = kernel_time_ms(run, 20)

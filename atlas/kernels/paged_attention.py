@@ -55,6 +55,9 @@ class SplitScratch:
 
     shape: tuple[int, int, int, int]
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # (the attention_fused_combine knob: int32 zeros, one a (token, head), that the last split of each program
+    #  counts up to and sets back to 0)
+    counts: torch.Tensor | None = None
 
 
 def program_map(query_start_loc: list[int], block_q: int, device: torch.device) -> ProgramMap:
@@ -81,13 +84,28 @@ def step_programs(meta, block_q: int, device: torch.device) -> ProgramMap:
 def step_split_scratch(meta, num_tokens: int, num_heads: int, head_dim: int, splits: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's split-KV partials of this shape: made by the first layer that asks, kept on `meta`."""
+    return _step_scratch(meta, (num_tokens, num_heads, head_dim, splits), device).partials
+
+
+def step_split_counts(meta, num_tokens: int, num_heads: int, head_dim: int, splits: int,
+                      device: torch.device) -> torch.Tensor:
+    """The step's counts for splits that merge their own partials (zeros, one a (token, head): at least one a
+    program and KV head), beside its partials on `meta`."""
     shape = (num_tokens, num_heads, head_dim, splits)
+    scratch = _step_scratch(meta, shape, device)
+    if scratch.counts is None:
+        scratch = meta.split_scratch = SplitScratch(shape, scratch.partials, torch.zeros(
+            num_tokens * num_heads, dtype=torch.int32, device=device))
+    return scratch.counts
+
+
+def _step_scratch(meta, shape: tuple[int, int, int, int], device: torch.device) -> SplitScratch:
     scratch = meta.split_scratch
     if scratch is None or scratch.shape != shape:
         from atlas.kernels.paged_attention_triton import split_scratch
 
         scratch = meta.split_scratch = SplitScratch(shape, split_scratch(*shape, device))
-    return scratch.partials
+    return scratch
 
 
 def num_kv_splits(num_programs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -135,12 +153,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
     block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
     programs = step_programs(meta, block_q, query.device)
     num_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
-    splits, scratch = 1, None
+    splits, scratch, counts = 1, None, None
     if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
         splits = num_kv_splits(programs.num_programs, num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
         scratch = step_split_scratch(meta, query.shape[0], num_heads, head_dim, splits, query.device)
+        if settings.tuning.attention_fused_combine:
+            counts = step_split_counts(meta, query.shape[0], num_heads, head_dim, splits, query.device)
     return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
                                   programs.req, programs.q0, block_q, block_m, scale, causal, sliding_window,
                                   num_splits=splits, scratch=scratch, sinks=sinks, chunk_size=chunk_size,
-                                  softcap=softcap)
+                                  softcap=softcap, counts=counts)

@@ -63,7 +63,7 @@ def kv_stages(block_m: int, dtype: torch.dtype) -> int:
 # new variant whenever, e.g., the page-table width crosses a multiple of 16, stalling a live server).
 @triton.jit(do_not_specialize=["scale", "window", "attn_chunk", "softcap", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counts_ptr,
     page_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr, sinks_ptr,
     scale, window, attn_chunk, softcap,
     stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
@@ -71,7 +71,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr, SOFTCAP: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -192,6 +192,17 @@ def _paged_attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        if FUSED_COMBINE:
+            # The last split of this (program, KV head) to finish merges its rows' partials (the combine kernel's
+            # arithmetic, the splits summed in order) and sets its count back to 0 for the next call.
+            tl.debug_barrier()  # (every thread's partials stored before the count says this split is done)
+            count_ptr = counts_ptr + pid * tl.num_programs(1) + kvh
+            done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                tl.store(count_ptr, 0)
+                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr, part - split, q_start + t,
+                              head, row_ok, offs_d, d_ok, stride_ot, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              NUM_SPLITS, HAS_SINKS)
     else:
         if HAS_SINKS:
             # The sink: one more score, exp(sink - m) in the sum, nothing in the accumulator.
@@ -203,6 +214,39 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr, first, row, head, row_ok, offs_d, d_ok,
+                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Rows `row` x `head` ([BLOCK_M]) of the output from their NUM_SPLITS partials (at `first` + split): each
+    rescaled to the common max and normalised, the head's sink logit one more score (HAS_SINKS). Loads bypass L1:
+    the other splits' programs wrote the partials."""
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_m_ptr + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    sink = m_max  # (unused without sinks)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_m_ptr + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_l_ptr + first + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_safe))  # an empty split weighs nothing
+        total += w * l_s
+        acc_s = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        merged += w[:, None] * acc_s
+    if HAS_SINKS:
+        total += tl.exp(sink - m_safe)
+    out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -258,13 +302,16 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sinks` [Hq]: attention-sink logits (module docstring); `chunk_size`: each row sees only the keys of its
     chunk (positions [p // C * C, p]), Llama 4's chunked local attention; `softcap`: scores soft-capped to
     softcap * tanh(score / softcap) before the softmax (Gemma 2). `num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
     when None. `num_stages` (key tiles in flight), `block_n` (keys a tile) and `num_warps` override the defaults
-    (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them."""
+    (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them. `counts` (split-KV
+    only: int32 zeros, one a program and KV head, left zero after the call): the last split of each program merges
+    the partials itself, and no combine kernel runs (the attention_fused_combine knob)."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_pages, page, num_kv_heads, _ = kv_cache.shape
     k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
@@ -283,8 +330,11 @@ def paged_attention_triton(
         part_m = part_l = part_acc = out  # (unused)
     assert not v_t or block_n % page == 0, f"an 8-bit cache's tiles are whole pages: {block_n} keys, pages of {page}"
     grid = (prog_req.numel(), num_kv_heads, num_splits)
+    fused = num_splits > 1 and counts is not None
+    if fused:
+        assert counts.dtype == torch.int32 and counts.numel() >= grid[0] * grid[1], "a count a program and KV head"
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, part_m, part_l, part_acc,
+        query, k_cache, v_cache, out, part_m, part_l, part_acc, counts if fused else seq_lens,
         page_tables, seq_lens, query_start_loc, prog_req, prog_q0, sinks if sinks is not None else out,
         scale, sliding_window or 0, chunk_size or 1, softcap or 1.0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
@@ -294,10 +344,10 @@ def paged_attention_triton(
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
         DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t, HAS_SINKS=sinks is not None,
-        USE_CHUNK=chunk_size is not None, SOFTCAP=softcap is not None,
+        USE_CHUNK=chunk_size is not None, SOFTCAP=softcap is not None, FUSED_COMBINE=fused,
         num_warps=num_warps or (4 if block_m <= 64 else 8), **launch_options(query.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), sinks if sinks is not None else out,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
