@@ -6,15 +6,18 @@ with `.`: the same four rows."""
 import hashlib
 import importlib
 import json
+import os
 import sys
 
-sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+root = os.path.abspath(sys.argv[1])
+sys.path.insert(0, root)
+
 m = importlib.import_module("atlas.kernels.paged_attention_triton")
-assert m.__file__.startswith(sys.argv[1])
+assert m.__file__.startswith(root), m.__file__
 fn = m._paged_attention_kernel
 out = {}
 for splits in (1, 4):
