@@ -9,6 +9,9 @@
 #   combine (~5 min, any card): the attention_fused_combine knob (built after this session's calls; off): its CUDA
 #         tests, then batch-1 steps of the Qwen3-8B shape (bf16, FP8 block) and gpt-oss-20b with and without it,
 #         alternated (session 91's profile: the combine kernel 36 a step, 0.077 ms on an H100).
+#   ttft (~3 min): issue 34's TTFT row (0.720x bf16 on the H200 in session 90, bar 0.7): the 2,048-token prefill of
+#         the Qwen3-8B shape profiled in bf16 and FP8 block (tools/gpu_fp8.sh with PROFILE=1: kernels by kind, the
+#         quantizers' share), with the batch-1 rows beside it.
 #   moe-fp8 (~5 min): issue 34's MoE row, last measured in session 49 (V2-Lite FP8 1.00x bf16 at batch 1, 0.91x at
 #         64): DeepSeek-V2-Lite and Qwen3-30B-A3B in bf16 and FP8 block at batch 1 and 64 (tools/gpu_fp8.sh).
 set -u
@@ -26,6 +29,7 @@ case ${PART:-spec} in
              latency_rows ${m}_off2 /tmp/$m 1; latency_rows ${m}_on2 /tmp/$m 1 $F
              tar czf $FINAL/s91_combine.tgz -C /tmp s91c
            done ;;
+  ttft) PROFILE=1 BATCHES=1 VARIANTS="bf16 block" timeout 500 bash tools/gpu_fp8.sh ;;
   moe-fp8) for s in deepseek-v2-lite qwen3-30b-a3b; do
              SHAPE=$s BATCHES=1,64 TTFT=0 VARIANTS="bf16 block" timeout 280 bash tools/gpu_fp8.sh
            done ;;
