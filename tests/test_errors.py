@@ -245,3 +245,20 @@ def test_running_out_of_memory_while_profiling_names_the_fix():
                  "--max-num-batched-tokens", "--max-num-seqs", "free the GPU"):
         assert part in message, (part, message)
     assert "Including non-PyTorch" not in message
+
+
+def test_weights_larger_than_the_gpu_name_the_ways_out():
+    """A model whose weights do not fit the GPU runs out of memory while it is built or loaded: the start refuses
+    with what was free and the ways to fewer bytes on this device (runtime/model_runner.py raises this from torch's
+    OutOfMemoryError on CUDA), not torch's message alone."""
+    from atlas.runtime.memory import weights_ran_out
+
+    torch_said = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 1.16 GiB. GPU 0 has a total capacity of 79.18 GiB of which 412.19 MiB "
+        "is free.")
+    error = weights_ran_out(torch_said, "cuda:0", 78 * 2**30, 80 * 2**30)
+    assert isinstance(error, OutOfMemoryPlanError)
+    message = str(error)
+    for part in ("do not fit cuda:0", "78.00 GiB of 80.00 GiB free at start", "Tried to allocate 1.16 GiB",
+                 "--tensor-parallel-size", "--quantization fp8", "smaller model"):
+        assert part in message, (part, message)

@@ -163,6 +163,17 @@ def profiling_ran_out(exc: BaseException, num_tokens: int, max_num_seqs: int, we
         "process or engine may hold it)")
 
 
+def weights_ran_out(exc: BaseException, device: str, free_at_start: int, total: int) -> OutOfMemoryPlanError:
+    """The error for a device that ran out of memory building or loading the model's weights (before any plan): what
+    was free, and the ways to a smaller share of weights on this device."""
+    said = ". ".join(str(exc).split(". ")[:2])  # (torch's first two sentences: what it tried to allocate)
+    return OutOfMemoryPlanError(
+        f"the model's weights do not fit {device}: it ran out of memory loading them with {fmt_bytes(free_at_start)} "
+        f"of {fmt_bytes(total)} free at start ({said}). Spread the model over more GPUs (--tensor-parallel-size or "
+        "--pipeline-parallel-size), serve an FP8 checkpoint or pass --quantization fp8 (half the bytes of bf16), "
+        "use a smaller model, or free the GPU (another process or engine may hold it)")
+
+
 def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,
               weights: int, activation_peak: int, non_torch: int, extra: dict[str, int] | None = None,
               useful_pages: int = 0) -> MemoryPlan:

@@ -156,11 +156,18 @@ class ModelRunner:
                                       "pools the Llama, Mistral, Qwen2 and Qwen3 families)")
                 model.lm_head = None  # (pooling needs no LM head: a bare *Model checkpoint has none to load)
 
-        self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
-                                           parallel=parallel.layer_view(self.device, self.dtype)
-                                           if parallel is not None else None, before_loading=choose_kv_dtype,
-                                           dummy=engine_config.dummy_weights,
-                                           quantization=engine_config.quantization)
+        try:
+            self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
+                                               parallel=parallel.layer_view(self.device, self.dtype)
+                                               if parallel is not None else None, before_loading=choose_kv_dtype,
+                                               dummy=engine_config.dummy_weights,
+                                               quantization=engine_config.quantization)
+        except torch.OutOfMemoryError as exc:  # (a model larger than the GPU: a refusal that names the ways out)
+            if self.device.type != "cuda":
+                raise
+            torch.cuda.empty_cache()
+            raise memory.weights_ran_out(exc, str(self.device), self.memory_planner.free_at_start,
+                                         self.memory_planner.total_memory) from exc
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)
