@@ -260,5 +260,9 @@ def test_weights_larger_than_the_gpu_name_the_ways_out():
     assert isinstance(error, OutOfMemoryPlanError)
     message = str(error)
     for part in ("do not fit cuda:0", "78.00 GiB of 80.00 GiB free at start", "Tried to allocate 1.16 GiB",
-                 "--tensor-parallel-size", "--quantization fp8", "smaller model"):
+                 "--tensor-parallel-size", "pass --quantization fp8", "smaller model"):
         assert part in message, (part, message)
+    # (with --quantization fp8 the plain weights load whole first: the flag itself is no way out)
+    quantizing = str(weights_ran_out(torch_said, "cuda:0", 78 * 2**30, 80 * 2**30, quantizing=True))
+    assert "serve an FP8 checkpoint (--quantization fp8 loads the plain weights whole first)" in quantizing
+    assert "pass --quantization fp8" not in quantizing

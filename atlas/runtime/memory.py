@@ -163,15 +163,19 @@ def profiling_ran_out(exc: BaseException, num_tokens: int, max_num_seqs: int, we
         "process or engine may hold it)")
 
 
-def weights_ran_out(exc: BaseException, device: str, free_at_start: int, total: int) -> OutOfMemoryPlanError:
+def weights_ran_out(exc: BaseException, device: str, free_at_start: int, total: int,
+                    quantizing: bool = False) -> OutOfMemoryPlanError:
     """The error for a device that ran out of memory building or loading the model's weights (before any plan): what
-    was free, and the ways to a smaller share of weights on this device."""
+    was free, and the ways to a smaller share of weights on this device. `quantizing` (--quantization fp8): the
+    plain weights load whole before they are quantized, so that flag is no way out."""
     said = ". ".join(str(exc).split(". ")[:2])  # (torch's first two sentences: what it tried to allocate)
+    fp8 = ("serve an FP8 checkpoint (--quantization fp8 loads the plain weights whole first)" if quantizing else
+           "serve an FP8 checkpoint or pass --quantization fp8 (half the bytes of bf16)")
     return OutOfMemoryPlanError(
         f"the model's weights do not fit {device}: it ran out of memory loading them with {fmt_bytes(free_at_start)} "
         f"of {fmt_bytes(total)} free at start ({said}). Spread the model over more GPUs (--tensor-parallel-size or "
-        "--pipeline-parallel-size), serve an FP8 checkpoint or pass --quantization fp8 (half the bytes of bf16), "
-        "use a smaller model, or free the GPU (another process or engine may hold it)")
+        f"--pipeline-parallel-size), {fp8}, use a smaller model, or free the GPU (another process or engine may "
+        "hold it)")
 
 
 def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,

@@ -167,7 +167,8 @@ class ModelRunner:
                 raise
             torch.cuda.empty_cache()
             raise memory.weights_ran_out(exc, str(self.device), self.memory_planner.free_at_start,
-                                         self.memory_planner.total_memory) from exc
+                                         self.memory_planner.total_memory,
+                                         quantizing=engine_config.quantization is not None) from exc
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)
