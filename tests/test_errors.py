@@ -266,3 +266,26 @@ def test_weights_larger_than_the_gpu_name_the_ways_out():
     quantizing = str(weights_ran_out(torch_said, "cuda:0", 78 * 2**30, 80 * 2**30, quantizing=True))
     assert "serve an FP8 checkpoint (--quantization fp8 loads the plain weights whole first)" in quantizing
     assert "pass --quantization fp8" not in quantizing
+
+
+def test_a_refused_start_lets_go_of_what_the_failed_step_held():
+    """After running out of memory, the refusal's chained exception would keep the failed frames' tensors (a
+    half-built model, the profile's caches) alive for as long as a caller holds it; release_frames clears them."""
+    import weakref
+
+    from atlas.runtime.memory_planner import release_frames
+
+    held = []
+
+    def build():
+        weights = torch.zeros(1024)
+        held.append(weakref.ref(weights))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    try:
+        build()
+    except torch.OutOfMemoryError as exc:
+        caught = exc
+    assert held[0]() is not None  # (the traceback's frame still holds it)
+    release_frames(caught)
+    assert held[0]() is None

@@ -5,6 +5,7 @@ number of pages on every rank of a parallel engine (the arithmetic is runtime/me
 from __future__ import annotations
 
 import gc
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,16 @@ if TYPE_CHECKING:
     from atlas.models.base import CausalLM
     from atlas.runtime.parallel import ParallelState
     from atlas.runtime.sampler import Sampler
+
+
+def release_frames(exc: BaseException) -> None:
+    """After a device ran out of memory: the finished frames of `exc`'s traceback let go of their tensors (the
+    half-built model, the profile's caches), which the exception kept alive as long as it is held (a caller that
+    catches the refusal and goes on), and the allocator's freed blocks go back to the device."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -78,8 +89,8 @@ class MemoryPlanner:
             weights = torch.cuda.memory_allocated(device) - self.allocated_at_start
             try:
                 peak = self.profile_activation_peak(target, max_num_seqs, max_num_batched_tokens)
-            except torch.OutOfMemoryError as exc:  # (the profile's tensors are freed as the frames unwind)
-                torch.cuda.empty_cache()
+            except torch.OutOfMemoryError as exc:
+                release_frames(exc)
                 raise memory.profiling_ran_out(exc, max_num_batched_tokens, max_num_seqs, weights,
                                                self.free_at_start) from exc
             free_now, total = torch.cuda.mem_get_info()

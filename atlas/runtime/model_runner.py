@@ -47,7 +47,7 @@ from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import graph_batch_sizes
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep
 from atlas.runtime.graph_plan import GraphPlan
-from atlas.runtime.memory_planner import MemoryPlanner, PlannedModel
+from atlas.runtime.memory_planner import MemoryPlanner, PlannedModel, release_frames
 from atlas.runtime.pooling import Pooler, PoolingConfig, load_pooling_config
 from atlas.runtime.prelaunch import BlockBehind, Prelaunched, prelaunch, verified_step
 from atlas.runtime.request_state import RequestStates
@@ -165,7 +165,7 @@ class ModelRunner:
         except torch.OutOfMemoryError as exc:  # (a model larger than the GPU: a refusal that names the ways out)
             if self.device.type != "cuda":
                 raise
-            torch.cuda.empty_cache()
+            release_frames(exc)
             raise memory.weights_ran_out(exc, str(self.device), self.memory_planner.free_at_start,
                                          self.memory_planner.total_memory,
                                          quantizing=engine_config.quantization is not None) from exc
