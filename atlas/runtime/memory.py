@@ -151,16 +151,21 @@ def check_state_fits(state_bytes: int, budget: int, what: str, more: str, snapsh
             f"--max-num-seqs, or {more}")
 
 
+def _torch_said(exc: BaseException) -> str:
+    """torch's out-of-memory message cut to its first two sentences: what it tried to allocate (the rest, its
+    breakdown of the device and its allocator's advice, is about torch, not the flags that fix the start)."""
+    return ". ".join(str(exc).split(". ")[:2])
+
+
 def profiling_ran_out(exc: BaseException, num_tokens: int, max_num_seqs: int, weights: int,
                       free_at_start: int) -> OutOfMemoryPlanError:
     """The error for a device that ran out of memory in the profiling forward (the largest step, before any KV page
     is planned): what the step was, what the weights took of what was free, and the flags that make it smaller."""
-    said = ". ".join(str(exc).split(". ")[:2])  # (torch's first two sentences: what it tried to allocate)
     return OutOfMemoryPlanError(
         f"the GPU ran out of memory profiling the largest step ({num_tokens:,} tokens, {max_num_seqs} sequences) "
-        f"after the weights took {fmt_bytes(weights)} of the {fmt_bytes(free_at_start)} free at start ({said}): "
-        "lower --max-num-batched-tokens or --max-num-seqs, use a smaller model, or free the GPU (another "
-        "process or engine may hold it)")
+        f"after the weights took {fmt_bytes(weights)} of the {fmt_bytes(free_at_start)} free at start "
+        f"({_torch_said(exc)}): lower --max-num-batched-tokens or --max-num-seqs, use a smaller model, or free the "
+        "GPU (another process or engine may hold it)")
 
 
 def weights_ran_out(exc: BaseException, device: str, free_at_start: int, total: int,
@@ -168,14 +173,13 @@ def weights_ran_out(exc: BaseException, device: str, free_at_start: int, total: 
     """The error for a device that ran out of memory building or loading the model's weights (before any plan): what
     was free, and the ways to a smaller share of weights on this device. `quantizing` (--quantization fp8): the
     plain weights load whole before they are quantized, so that flag is no way out."""
-    said = ". ".join(str(exc).split(". ")[:2])  # (torch's first two sentences: what it tried to allocate)
     fp8 = ("serve an FP8 checkpoint (--quantization fp8 loads the plain weights whole first)" if quantizing else
            "serve an FP8 checkpoint or pass --quantization fp8 (half the bytes of bf16)")
     return OutOfMemoryPlanError(
         f"the model's weights do not fit {device}: it ran out of memory loading them with {fmt_bytes(free_at_start)} "
-        f"of {fmt_bytes(total)} free at start ({said}). Spread the model over more GPUs (--tensor-parallel-size or "
-        f"--pipeline-parallel-size), {fp8}, use a smaller model, or free the GPU (another process or engine may "
-        "hold it)")
+        f"of {fmt_bytes(total)} free at start ({_torch_said(exc)}). Spread the model over more GPUs "
+        f"(--tensor-parallel-size or --pipeline-parallel-size), {fp8}, use a smaller model, or free the GPU (another "
+        "process or engine may hold it)")
 
 
 def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,
