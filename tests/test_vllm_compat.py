@@ -591,3 +591,21 @@ def test_root_path_serves_behind_a_prefix_routing_proxy(qwen3_dir):
         assert http.get("/api/other/v1/models").status_code == 404
     finally:
         server.stop()
+
+
+def test_structured_outputs_config_is_translated(capsys):
+    """vLLM's --structured-outputs-config: its backend (vLLM's "guidance" is llguidance) and reasoning parser become
+    Atlas's flags; a backend or setting Atlas lacks is refused by name, never dropped."""
+    args = parse_args(build_parser(), ["serve", "--structured-outputs-config", '{"backend": "guidance"}'])
+    assert args.structured_outputs_backend == "llguidance"
+    args = parse_args(build_parser(), ["serve", "--structured-outputs-config",
+                                       '{"backend": "xgrammar", "reasoning_parser": "qwen3"}'])
+    assert (args.structured_outputs_backend, args.reasoning_parser) == ("xgrammar", "qwen3")
+    assert parse_args(build_parser(), ["serve"]).structured_outputs_backend == "auto"
+    assert "backend 'outlines' is not one Atlas implements" in _error(
+        capsys, ["serve", "--structured-outputs-config", '{"backend": "outlines"}'])
+    assert "'disable_any_whitespace' is not a setting Atlas implements" in _error(
+        capsys, ["serve", "--structured-outputs-config", '{"backend": "auto", "disable_any_whitespace": true}'])
+    assert "reasoning_parser 'nope' is not one Atlas has" in _error(
+        capsys, ["serve", "--structured-outputs-config", '{"reasoning_parser": "nope"}'])
+    assert "JSON" in _error(capsys, ["serve", "--structured-outputs-config", "backend=xgrammar"])

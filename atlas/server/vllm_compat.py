@@ -38,7 +38,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--disable-uvicorn-access-log",): "Atlas's form is --no-access-log",
     ("--disable-frontend-multiprocessing",): "the HTTP front ends always run in processes of their own "
                                              "(--api-server-count)",
-    ("--structured-outputs-config",): "Atlas's form is --structured-outputs-backend auto|llguidance|xgrammar",
     ("--code-revision", "--model-impl"): "Atlas runs its own implementation of each architecture, no checkpoint code",
     ("--config-format", "--load-format-config"): "Atlas reads the checkpoint's config.json",
     ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "
@@ -122,6 +121,35 @@ class _SpeculativeConfig(argparse.Action):
             setattr(namespace, fields[key], value)
 
 
+# vLLM's structured-outputs backends -> Atlas's --structured-outputs-backend ("guidance" is vLLM's name for llguidance)
+STRUCTURED_BACKENDS = {"auto": "auto", "xgrammar": "xgrammar", "guidance": "llguidance", "llguidance": "llguidance"}
+
+
+class _StructuredOutputsConfig(argparse.Action):
+    """vLLM's --structured-outputs-config JSON, as Atlas's --structured-outputs-backend / --reasoning-parser; the
+    settings Atlas has no counterpart for are refused by name."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        config = dict(_json_object(parser, values, "--structured-outputs-config"))
+        if "backend" in config:
+            backend = config.pop("backend")
+            if backend not in STRUCTURED_BACKENDS:
+                parser.error(f"--structured-outputs-config: backend {backend!r} is not one Atlas implements (it has "
+                             f"{', '.join(STRUCTURED_BACKENDS)}; see --structured-outputs-backend)")
+            namespace.structured_outputs_backend = STRUCTURED_BACKENDS[backend]
+        if "reasoning_parser" in config:
+            from atlas.server.output_parsers import REASONING_PARSERS  # (standard library only)
+
+            name = config.pop("reasoning_parser") or None
+            if name is not None and name not in REASONING_PARSERS:
+                parser.error(f"--structured-outputs-config: reasoning_parser {name!r} is not one Atlas has (it has "
+                             f"{', '.join(REASONING_PARSERS)})")
+            namespace.reasoning_parser = name
+        for key in config:
+            parser.error(f"--structured-outputs-config: {key!r} is not a setting Atlas implements (it takes backend, "
+                         "reasoning_parser)")
+
+
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's names for what Atlas does, and the refusals, on `atlas serve`."""
     g = parser.add_argument_group("vLLM compatibility")
@@ -140,6 +168,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp" | "draft_model" '
                         '| "eagle3", "num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, '
                         '"prompt_lookup_max": N, "max_model_len": N}.')
+    g.add_argument("--structured-outputs-config", action=_StructuredOutputsConfig, metavar="JSON",
+                   help='vLLM\'s form of the structured-outputs flags: {"backend": "auto" | "xgrammar" | "guidance" | '
+                        '"llguidance", "reasoning_parser": NAME}.')
     g.add_argument("--config", metavar="FILE.yaml",
                    help="Flags from a YAML file (keys are flag names: port: 8000, tensor-parallel-size: 2); flags on "
                         "the command line win.")
