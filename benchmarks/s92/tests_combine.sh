@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 FINAL=$OUT; OUT=/tmp/s92c; mkdir -p $OUT
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/card.txt
-cuda_tests cuda 330 1 tests/test_cuda.py
+cuda_tests cuda ${TEST_LIMIT:-330} 1 tests/test_cuda.py
 tar czf $FINAL/s92_combine.tgz -C /tmp s92c
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
