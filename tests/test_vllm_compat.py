@@ -609,3 +609,17 @@ def test_structured_outputs_config_is_translated(capsys):
     assert "reasoning_parser 'nope' is not one Atlas has" in _error(
         capsys, ["serve", "--structured-outputs-config", '{"reasoning_parser": "nope"}'])
     assert "JSON" in _error(capsys, ["serve", "--structured-outputs-config", "backend=xgrammar"])
+
+
+def test_vllm_optimization_levels(capsys):
+    """vLLM's -O0 (no CUDA graphs) is --enforce-eager; -O1..3 keep Atlas's default graphs; dotted compiler settings and
+    other levels are refused."""
+    assert parse_args(build_parser(), ["serve", "-O0"]).enforce_eager
+    assert parse_args(build_parser(), ["serve", "--optimization-level", "0"]).enforce_eager
+    for flags in (["-O3"], ["-O", "1"], ["--optimization-level", "2"], []):
+        assert not parse_args(build_parser(), ["serve", *flags]).enforce_eager, flags
+    assert parse_args(build_parser(), ["serve", "-O2", "--enforce-eager"]).enforce_eager
+    assert "Atlas takes vLLM's optimization levels 0-3" in _error(capsys, ["serve", "-O.mode=NONE"])
+    assert "Atlas takes vLLM's optimization levels 0-3" in _error(capsys, ["serve", "-O4"])
+    assert "--compilation-config is a vLLM flag that Atlas does not implement" in _error(
+        capsys, ["serve", "--compilation-config", "{}"])

@@ -25,7 +25,8 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs are not supported",
     ("--distributed-executor-backend", "--worker-cls"): "Atlas starts its own worker processes (--tensor-parallel-size, "
                                                         "--pipeline-parallel-size, --nnodes)",
-    ("--compilation-config", "-O"): "Atlas captures CUDA graphs itself (--enforce-eager turns them off)",
+    ("--compilation-config",): "Atlas captures CUDA graphs itself (--enforce-eager turns them off; vLLM's -O0 is "
+                               "taken as that)",
     ("--kv-transfer-config", "--enable-sleep-mode"): "not supported",
     ("--tool-parser-plugin",): "the tool-call parsers are built in (--tool-call-parser)",
     ("--max-seq-len-to-capture", "--disable-custom-all-reduce", "--cuda-graph-sizes"): "Atlas sizes its CUDA graphs "
@@ -150,6 +151,19 @@ class _StructuredOutputsConfig(argparse.Action):
                          "reasoning_parser)")
 
 
+class _OptimizationLevel(argparse.Action):
+    """vLLM's -O0 .. -O3 (--optimization-level): 0 is no CUDA graphs, Atlas's --enforce-eager; 1-3 trade start-up time
+    for speed through vLLM's compiler, where Atlas's kernels and CUDA graphs are already the default. Its dotted
+    compiler settings (-O.mode=...) are vLLM internals, refused."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values not in ("0", "1", "2", "3"):
+            parser.error(f"{option_string} {values}: Atlas takes vLLM's optimization levels 0-3 (0: no CUDA graphs, "
+                         "as --enforce-eager; 1-3: Atlas's default); vLLM's compiler settings are not implemented")
+        if values == "0":
+            namespace.enforce_eager = True
+
+
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's names for what Atlas does, and the refusals, on `atlas serve`."""
     g = parser.add_argument_group("vLLM compatibility")
@@ -171,6 +185,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", action=_StructuredOutputsConfig, metavar="JSON",
                    help='vLLM\'s form of the structured-outputs flags: {"backend": "auto" | "xgrammar" | "guidance" | '
                         '"llguidance", "reasoning_parser": NAME}.')
+    g.add_argument("-O", "--optimization-level", action=_OptimizationLevel, metavar="LEVEL", default=argparse.SUPPRESS,
+                   help="vLLM's optimization level: 0 is the same as --enforce-eager; 1, 2 and 3 are Atlas's default "
+                        "(its own kernels and CUDA graphs; no compiler step at start-up).")
     g.add_argument("--config", metavar="FILE.yaml",
                    help="Flags from a YAML file (keys are flag names: port: 8000, tensor-parallel-size: 2); flags on "
                         "the command line win.")
