@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 
@@ -12,10 +13,11 @@ import httpx
 import pytest
 from serving import assert_error, start_server
 
-from atlas import LLM
+from atlas import LLM, SamplingParams
 from atlas.cli import build_parser, parse_args
 from atlas.config import EngineConfig
-from atlas.errors import UnsupportedModelError
+from atlas.errors import ConfigError, UnsupportedModelError
+from atlas.vllm_config import engine_kwargs
 
 ENGINE = dict(kv_cache_memory="4MiB", max_model_len=128)
 
@@ -623,3 +625,33 @@ def test_vllm_optimization_levels(capsys):
     assert "Atlas takes vLLM's optimization levels 0-3" in _error(capsys, ["serve", "-O4"])
     assert "--compilation-config is a vLLM flag that Atlas does not implement" in _error(
         capsys, ["serve", "--compilation-config", "{}"])
+
+
+def test_a_vllm_script_s_llm_keywords_mean_the_same(qwen3_dir):
+    """LLM(...) with vLLM's speculative_config, structured_outputs_config, optimization_level and disable_log_stats:
+    the engine is configured as the same Atlas keywords would configure it, and serves (n-gram speculation greedy
+    equal to plain decoding); what Atlas lacks is refused by name."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}
+    params = SamplingParams(max_tokens=12, temperature=0)
+    plain = LLM(str(qwen3_dir), **ENGINE).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM(str(qwen3_dir), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_max": 3},
+              structured_outputs_config='{"backend": "guidance"}', optimization_level=0, disable_log_stats=True)
+    c = llm.config
+    assert (c.speculative, c.num_draft_tokens, c.ngram_max, c.structured_outputs_backend, c.enforce_eager) == (
+        "ngram", 3, 3, "llguidance", True)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    assert not engine_kwargs({"optimization_level": 2}) and engine_kwargs({"optimization_level": "0"}) == {
+        "enforce_eager": True}
+    for kwargs, message in [
+            ({"speculative_config": {"method": "eagle", "model": "x"}}, "method 'eagle' (EAGLE-1/2 drafters)"),
+            ({"speculative_config": {"method": "ngram"}, "speculative": "dflash"}, "speculative='dflash' and the vLLM"),
+            ({"structured_outputs_config": {"reasoning_parser": "qwen3"}}, "the reasoning parser is the server's"),
+            ({"structured_outputs_config": {"backend": "outlines"}}, "backend 'outlines' is not one Atlas implements"),
+            ({"optimization_level": 0, "enforce_eager": False}, "enforce_eager=False and the vLLM setting"),
+            ({"optimization_level": 5}, "optimization levels 0-3"),
+            ({"disable_log_stats": False}, "the offline LLM logs no periodic stats"),
+            ({"compilation_config": {"level": 3}}, "compilation_config is a vLLM setting that Atlas does not"),
+            ({"speculative_config": "method=ngram"}, "speculative_config: not JSON")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            engine_kwargs(kwargs)

@@ -33,17 +33,19 @@ from atlas.scoring import (
     cross_encoder_prompt,
     pair_texts,
 )
+from atlas.vllm_config import engine_kwargs
 
 
 class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching.
 
     Keyword arguments are the engine flags (see `EngineConfig`), e.g. LLM(model=PATH,
-    max_model_len=4096, enable_prefix_caching=False, dtype="bfloat16").
+    max_model_len=4096, enable_prefix_caching=False, dtype="bfloat16"); vLLM's speculative_config,
+    structured_outputs_config, optimization_level and disable_log_stats mean the same here (atlas/vllm_config.py).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs(kwargs))
         self.engine = EngineCore(self.config)
 
     def get_tokenizer(self):

@@ -13,6 +13,7 @@ from typing import Any
 
 from atlas.config import json_object
 from atlas.errors import ConfigError
+from atlas.vllm_config import optimization_level_fields, speculative_fields, structured_outputs_fields
 
 # vLLM flags (with their short forms) that Atlas does not implement, and why / what to use instead.
 REFUSED: dict[tuple[str, ...], str] = {
@@ -62,11 +63,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--tokenizer-pool-size",): "tokenization runs in the front ends' pools (--api-server-count)",
 }
 
-# vLLM's speculative methods -> Atlas's --speculative
-SPECULATIVE_METHODS = {"ngram": "ngram", "dflash": "dflash", "mtp": "mtp", "deepseek_mtp": "mtp",
-                       "draft_model": "draft_model", "eagle3": "eagle3"}
-
-
 class _Refuse(argparse.Action):
     def __init__(self, option_strings, dest, reason: str = "", **kwargs):
         super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
@@ -99,69 +95,27 @@ class _ConfigOverride(argparse.Action):
         namespace.hf_overrides = {**(getattr(namespace, "hf_overrides", None) or {}), key: value}
 
 
-class _SpeculativeConfig(argparse.Action):
-    """vLLM's --speculative-config JSON, as Atlas's --speculative / --num-draft-tokens / --draft-model / --ngram-*."""
+class _TranslatedConfig(argparse.Action):
+    """A vLLM setting given as JSON (or a level), as the engine fields it means (atlas/vllm_config.py); what Atlas
+    has no counterpart for is a parser error naming it."""
+
+    def __init__(self, option_strings, dest, translate=None, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+        self.translate = translate
 
     def __call__(self, parser, namespace, values, option_string=None):
-        config = dict(_json_object(parser, values, "--speculative-config"))
-        method = config.pop("method", None)
-        if method == "eagle":
-            parser.error("--speculative-config: method 'eagle' (EAGLE-1/2 drafters) is not one Atlas implements; "
-                         "EAGLE-3 drafters are (method 'eagle3')")
-        if method not in SPECULATIVE_METHODS:
-            parser.error(f"--speculative-config: method {method!r} is not one Atlas implements (it has "
-                         f"{', '.join(SPECULATIVE_METHODS)}; see --speculative)")
-        namespace.speculative = SPECULATIVE_METHODS[method]
-        fields = {"num_speculative_tokens": "num_draft_tokens", "model": "draft_model",
-                  "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
-                  "max_model_len": "speculative_max_model_len"}
-        for key, value in config.items():
-            if key not in fields:
-                parser.error(f"--speculative-config: {key!r} is not a setting Atlas implements (it takes "
-                             f"method, {', '.join(fields)})")
-            setattr(namespace, fields[key], value)
+        try:
+            fields = self.translate(values, option_string)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        for name, value in fields.items():
+            setattr(namespace, name, value)
 
 
-# vLLM's structured-outputs backends -> Atlas's --structured-outputs-backend ("guidance" is vLLM's name for llguidance)
-STRUCTURED_BACKENDS = {"auto": "auto", "xgrammar": "xgrammar", "guidance": "llguidance", "llguidance": "llguidance"}
+def _structured_outputs(values: str, flag: str) -> dict[str, Any]:
+    from atlas.server.output_parsers import REASONING_PARSERS  # (standard library only)
 
-
-class _StructuredOutputsConfig(argparse.Action):
-    """vLLM's --structured-outputs-config JSON, as Atlas's --structured-outputs-backend / --reasoning-parser; the
-    settings Atlas has no counterpart for are refused by name."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        config = dict(_json_object(parser, values, "--structured-outputs-config"))
-        if "backend" in config:
-            backend = config.pop("backend")
-            if backend not in STRUCTURED_BACKENDS:
-                parser.error(f"--structured-outputs-config: backend {backend!r} is not one Atlas implements (it has "
-                             f"{', '.join(STRUCTURED_BACKENDS)}; see --structured-outputs-backend)")
-            namespace.structured_outputs_backend = STRUCTURED_BACKENDS[backend]
-        if "reasoning_parser" in config:
-            from atlas.server.output_parsers import REASONING_PARSERS  # (standard library only)
-
-            name = config.pop("reasoning_parser") or None
-            if name is not None and name not in REASONING_PARSERS:
-                parser.error(f"--structured-outputs-config: reasoning_parser {name!r} is not one Atlas has (it has "
-                             f"{', '.join(REASONING_PARSERS)})")
-            namespace.reasoning_parser = name
-        for key in config:
-            parser.error(f"--structured-outputs-config: {key!r} is not a setting Atlas implements (it takes backend, "
-                         "reasoning_parser)")
-
-
-class _OptimizationLevel(argparse.Action):
-    """vLLM's -O0 .. -O3 (--optimization-level): 0 is no CUDA graphs, Atlas's --enforce-eager; 1-3 trade start-up time
-    for speed through vLLM's compiler, where Atlas's kernels and CUDA graphs are already the default. Its dotted
-    compiler settings (-O.mode=...) are vLLM internals, refused."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if values not in ("0", "1", "2", "3"):
-            parser.error(f"{option_string} {values}: Atlas takes vLLM's optimization levels 0-3 (0: no CUDA graphs, "
-                         "as --enforce-eager; 1-3: Atlas's default); vLLM's compiler settings are not implemented")
-        if values == "0":
-            namespace.enforce_eager = True
+    return structured_outputs_fields(values, REASONING_PARSERS, flag)
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
@@ -178,14 +132,16 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    metavar="JSON", help="vLLM's older flag: the same as --hf-overrides '{\"rope_scaling\": JSON}'.")
     g.add_argument("--rope-theta", action=_ConfigOverride, dest="rope_theta", default=argparse.SUPPRESS,
                    metavar="THETA", help="vLLM's older flag: the same as --hf-overrides '{\"rope_theta\": THETA}'.")
-    g.add_argument("--speculative-config", action=_SpeculativeConfig, metavar="JSON",
+    g.add_argument("--speculative-config", action=_TranslatedConfig, translate=speculative_fields, metavar="JSON",
                    help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp" | "draft_model" '
                         '| "eagle3", "num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, '
                         '"prompt_lookup_max": N, "max_model_len": N}.')
-    g.add_argument("--structured-outputs-config", action=_StructuredOutputsConfig, metavar="JSON",
+    g.add_argument("--structured-outputs-config", action=_TranslatedConfig, translate=_structured_outputs,
+                   metavar="JSON",
                    help='vLLM\'s form of the structured-outputs flags: {"backend": "auto" | "xgrammar" | "guidance" | '
                         '"llguidance", "reasoning_parser": NAME}.')
-    g.add_argument("-O", "--optimization-level", action=_OptimizationLevel, metavar="LEVEL", default=argparse.SUPPRESS,
+    g.add_argument("-O", "--optimization-level", action=_TranslatedConfig, translate=optimization_level_fields,
+                   metavar="LEVEL",
                    help="vLLM's optimization level: 0 is the same as --enforce-eager; 1, 2 and 3 are Atlas's default "
                         "(its own kernels and CUDA graphs; no compiler step at start-up).")
     g.add_argument("--config", metavar="FILE.yaml",
