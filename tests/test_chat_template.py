@@ -204,3 +204,31 @@ def test_text_parts_reach_the_template_as_the_content_format_says(qwen3_dir):
     assert out.prompt_token_ids == llm.engine.tokenizer.encode("<user>[x]<user>[a][b]", add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="only text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+
+
+def test_offline_chat_takes_vllm_s_parameters_in_vllm_s_order(qwen3_dir):
+    """LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template, ...) as vLLM's: a template of the
+    caller's own, the tools and extra template variables reach the template; one sampling params each; a variable
+    the parameters set, or multimodal processor settings, are refused by name."""
+    from atlas import LLM, SamplingParams
+
+    llm = LLM(str(qwen3_dir), kv_cache_memory="4MiB", max_model_len=128)
+    template = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if tools %}[{{ tools | length }} tools]"
+                "{% endif %}{{ greeting }}{% if add_generation_prompt %}!{% endif %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    conversations = [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]]
+    outs = llm.chat(conversations, [params, SamplingParams(max_tokens=2, temperature=0)], False, None, template,
+                    tools=tools, chat_template_kwargs={"greeting": "hi"})
+    encode = llm.engine.tokenizer.encode
+    assert [o.prompt_token_ids for o in outs] == [encode(f"<{c}>[1 tools]hi!", add_special_tokens=False)
+                                                  for c in "xy"]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2]
+    plain = llm.chat(conversations[0], params, chat_template=template, add_generation_prompt=False)[0]
+    assert plain.prompt_token_ids == encode("<x>", add_special_tokens=False)
+    for kwargs, name in [({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+                         ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                          "chat_template_kwargs.add_generation_prompt"),
+                         ({"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs")]:
+        with pytest.raises(InvalidRequestError, match=name):
+            llm.chat(conversations[0], params, **kwargs)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from atlas.config import EngineConfig
 from atlas.engine.beam_search import BeamSearch, advance_all, step_params, step_work
 from atlas.engine.chat_content import check_content, content_for_template, content_format
+from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
@@ -177,30 +178,45 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | None = None,
-        add_generation_prompt: bool = True,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
-        continue_final_message: bool = False,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
         chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template (with
-        `continue_final_message` and add_generation_prompt False: the last message left open, continued).
-        chat_template_content_format: how a message's content reaches the template (engine/chat_content.py)."""
+        """Generate replies to one conversation or a list of them, through the chat template (vLLM's parameters, in
+        its order): `chat_template` in place of the tokenizer's, the tool definitions as the template's `tools`,
+        `chat_template_kwargs` as further template variables (not the ones the parameters set); with
+        `continue_final_message` and add_generation_prompt False the last message is left open, continued.
+        chat_template_content_format: how a message's content reaches the template (engine/chat_content.py).
+        sampling_params: one for every conversation, or one each."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer; this engine runs without one", param="messages")
+        if mm_processor_kwargs:
+            raise InvalidRequestError("mm_processor_kwargs: multimodal inputs are not supported",
+                                      param="mm_processor_kwargs")
+        template_kwargs = dict(chat_template_kwargs or {})
+        for name in (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message", "chat_template"):
+            if name in template_kwargs:
+                raise InvalidRequestError(f"chat_template_kwargs.{name}: set by chat()'s own parameter (or not "
+                                          "supported); leave it out of chat_template_kwargs",
+                                          param="chat_template_kwargs")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         try:
-            fmt = content_format(chat_template_content_format, tokenizer.chat_template)
+            fmt = content_format(chat_template_content_format, chat_template or tokenizer.chat_template)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="chat_template_content_format") from None
         conversations = [[_with_content(m, fmt) for m in conv] for conv in conversations]
         prompts = [
-            {"prompt_token_ids": tokenizer.encode(
-                tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message),
-                add_special_tokens=False)}
+            {"prompt_token_ids": tokenizer.chat_ids(conv, add_generation_prompt, chat_template=chat_template,
+                                                    tools=tools, continue_final_message=continue_final_message,
+                                                    **template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
