@@ -86,3 +86,18 @@ def test_trim_returns_pages_past_a_length():
     assert len(r.page_ids) == 4
     kv.trim(r, 7)
     assert len(r.page_ids) == 2 and kv.num_free_pages == 4
+
+
+def test_reset_forgets_cached_prefixes_only_when_no_page_is_held():
+    kv = KVCacheManager(num_pages=8, block_size=4, enable_prefix_caching=True)
+    a = _req(list(range(10)), "a")
+    assert kv.allocate(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_computed_pages(a)
+    assert not kv.reset_prefix_cache()  # (a holds its pages: nothing forgotten)
+    assert len(kv.find_cached_prefix(_req(list(range(9)), "b"))) == 2
+    kv.free(a)
+    assert len(kv.find_cached_prefix(_req(list(range(9)), "c"))) == 2
+    assert kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(_req(list(range(9)), "d")) == [] and kv.num_free_pages == 8
+    assert not kv.pool.cached and kv.pool.page_hash == [None] * 8

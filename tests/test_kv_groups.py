@@ -83,6 +83,21 @@ def test_both_groups_allocate_in_lockstep_and_only_the_window_group_releases():
     assert all(c == 0 for c in kv.window.pool.ref_cnt)
 
 
+def test_reset_forgets_both_groups_cached_prefixes_once_no_page_is_held():
+    kv = GroupedKVCacheManager(num_pages=20, block_size=4, enable_prefix_caching=True, window=6, num_window_pages=10)
+    req = _request("a", list(range(100, 110)))
+    assert kv.allocate(req, 10)
+    req.num_computed_tokens = 10
+    kv.cache_computed_pages(req)
+    assert kv.pool.cached and kv.window.pool.cached
+    assert not kv.reset_prefix_cache() and kv.pool.cached and kv.window.pool.cached  # (held: nothing forgotten)
+    kv.free(req)
+    assert kv.find_cached_prefix(_request("b", list(range(100, 109))))
+    assert kv.reset_prefix_cache()
+    assert not kv.pool.cached and not kv.window.pool.cached
+    assert kv.find_cached_prefix(_request("c", list(range(100, 109)))) == []
+
+
 def test_a_prefix_hit_needs_the_window_groups_pages_the_next_query_reads():
     """A hit of k pages needs the full group's pages 0..k-1 and the window group's for positions k*4 - 5 .. k*4 - 1;
     with the last of those evicted from the window pool, the hit is cut back to where both are cached."""

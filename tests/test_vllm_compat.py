@@ -655,3 +655,18 @@ def test_a_vllm_script_s_llm_keywords_mean_the_same(qwen3_dir):
             ({"speculative_config": "method=ngram"}, "speculative_config: not JSON")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             engine_kwargs(kwargs)
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_whole(qwen3_dir):
+    """LLM.reset_prefix_cache() (vLLM's): a repeated prompt hits the cache, after the reset it is computed whole,
+    with the same greedy output."""
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(max_tokens=6, temperature=0)
+    llm = LLM(str(qwen3_dir), **ENGINE, block_size=8)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
+    assert llm.reset_prefix_cache()
+    cold = llm.generate([prompt], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -131,6 +131,17 @@ class PagePool:
             self.cached[h] = page
         self.page_hash[page] = h
 
+    def forget_cached(self) -> bool:
+        """Drop every page's cached content (hash, snapshot) so that no later request hits it; False, with nothing
+        changed, while any page is held (a running request's pages are the cache of its own next steps)."""
+        if any(self.ref_cnt):
+            return False
+        self.cached.clear()
+        self.page_hash = [None] * self.num_pages
+        self.free_snapshots.extend(self.snapshot.values())
+        self.snapshot.clear()
+        return True
+
     def take_snapshot(self) -> int | None:
         """A snapshot id: a free one, else the one of the page released longest ago that no request holds (None: every
         snapshot belongs to a page in use)."""
@@ -188,6 +199,11 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.stats = PrefixCacheStats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: a benchmark's cold start); False while a request
+        holds pages."""
+        return self.pool.forget_cached()
 
     @property
     def num_pages(self) -> int:

@@ -86,6 +86,12 @@ class GroupedKVCacheManager(KVCacheManager):
         self.window = KVCacheManager(num_window_pages, block_size, enable_prefix_caching, sliding_window=window)
         self.group_window = window
 
+    def reset_prefix_cache(self) -> bool:
+        """Both groups' cached prefixes forgotten (False, nothing changed, while a request holds pages of either)."""
+        if any(self.pool.ref_cnt) or any(self.window.pool.ref_cnt):
+            return False
+        return self.pool.forget_cached() and self.window.pool.forget_cached()
+
     @property
     def usage(self) -> float:
         """The fuller pool's share in use: a request needs pages of both, so that one is what admits or preempts

@@ -57,6 +57,11 @@ class LLM:
         LLM is garbage-collected or the program ends). Nothing to do on one device."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so that the next prompts are computed whole (vLLM's; a benchmark's cold
+        start). False, nothing forgotten, while a request holds pages (never between calls of this LLM)."""
+        return self.engine.kv.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (--generation-config), as vLLM's."""
         return SamplingParams(**self.engine.sampling_defaults)
