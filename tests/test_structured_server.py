@@ -301,6 +301,29 @@ def test_default_chat_template_kwargs_sit_under_the_requests_own(server, setting
             ServerSettings(default_chat_template_kwargs=bad)
 
 
+def test_exclude_tools_when_tool_choice_none(server, settings):
+    """--exclude-tools-when-tool-choice-none (vLLM's): with tool_choice "none" the chat renders without its tools;
+    by default (and with any other tool_choice) the tools are rendered."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% for t in tools or [] %}|{{ t.function.name }}{% endfor %}"
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        def prompt_tokens(tool_choice: str) -> int:
+            reply = http.post("/v1/chat/completions", json={
+                "messages": USER, "chat_template": template, "tools": TOOLS, "tool_choice": tool_choice,
+                "max_tokens": 1, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["prompt_tokens"]
+
+        def tokens(text: str) -> int:
+            return len(http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"])
+
+        content = USER[-1]["content"]
+        with_tools = tokens(content + "|get_weather|get_time")
+        assert prompt_tokens("none") == prompt_tokens("auto") == with_tools
+        settings(exclude_tools_when_tool_choice_none=True)
+        assert prompt_tokens("none") == tokens(content) < with_tools
+        assert prompt_tokens("auto") == with_tools
+
+
 # ---------------------------------------------------------------------------------- reasoning
 def test_reasoning_content_is_split_streamed_or_not(client, settings):
     for parser, regex, answer_re in (("qwen3", r"<think>[a-z ]{5,20}</think>\n\nThe answer is [0-9]\.", "The answer"),

@@ -38,7 +38,10 @@ def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
                         (["serve", "--disable-uvicorn-access-log"], "--no-access-log"),
                         (["serve", "--enable-eplb"], "load balancing"),
                         (["serve", "--disable-sliding-window"], "--max-model-len"),
-                        (["serve", "--otlp-traces-endpoint", "x"], "OpenTelemetry")):
+                        (["serve", "--otlp-traces-endpoint", "x"], "OpenTelemetry"),
+                        (["serve", "--kv-offloading-size", "8"], "on the device"),
+                        (["serve", "--stream-interval", "4"], "each engine step's new tokens"),
+                        (["serve", "--enable-dbo"], "dual-batch overlap")):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)

@@ -116,8 +116,9 @@ def chat_prompt_ids(front: FrontEnd, messages: list[P.ChatMessage], add_generati
 def chat_request_prompt(front: FrontEnd, req: P.ChatCompletionRequest, template: str | None,
                         template_kwargs: dict[str, Any], structured: StructuredOutputsParams | None = None
                         ) -> PromptInfo:
+    tools = None if front.settings.exclude_tools_when_tool_choice_none and req.tool_choice == "none" else req.tools
     ids = front.truncated(chat_prompt_ids(front, req.messages, req.add_generation_prompt, template, template_kwargs,
-                                          req.tools, req.continue_final_message), req)
+                                          tools, req.continue_final_message), req)
     try:
         front.info.check_prompt_length(len(ids))
     except PromptTooLongError as exc:

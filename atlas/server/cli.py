@@ -172,6 +172,7 @@ def settings_from_args(args: argparse.Namespace):
             timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
             trust_request_chat_template=args.trust_request_chat_template,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             default_chat_template_kwargs=args.default_chat_template_kwargs or {},
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
@@ -358,6 +359,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                         "/v1/unload_lora_adapter {lora_name} load and unload adapters while the server runs (vLLM's "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING). A client with the API key may then read any adapter "
                         "folder this server can read, or fetch one from the hub.")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="A chat request with tool_choice \"none\" renders its template without its tools (vLLM's "
+                        "flag; by default the tools are rendered and no tool call is parsed).")
     g.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
                    help="Template variables every chat renders with, under the request's own chat_template_kwargs "
                         "(which win), as vLLM's flag: e.g. '{\"enable_thinking\": false}' turns Qwen3's thinking off "

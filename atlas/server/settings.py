@@ -56,6 +56,8 @@ class ServerSettings:
     detokenize_in: str = "auto"
     # Tool calling and reasoning output (vLLM's flags).
     enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
+    # --exclude-tools-when-tool-choice-none (vLLM's): a request with tool_choice "none" renders its chat without the tools
+    exclude_tools_when_tool_choice_none: bool = False
     # --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): /v1/load_lora_adapter and
     # /v1/unload_lora_adapter load and unload adapters (with --enable-lora)
     allow_runtime_lora_updating: bool = False

@@ -61,6 +61,18 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port"): "data parallelism runs on "
                                                                                           "one node (-dp N)",
     ("--tokenizer-pool-size",): "tokenization runs in the front ends' pools (--api-server-count)",
+    ("--mm-encoder-tp-mode",): "multimodal inputs are not supported",
+    ("--all2all-backend", "--enable-dbo", "--dbo-decode-token-threshold", "--dbo-prefill-token-threshold"):
+        "expert-parallel all-to-all backends and dual-batch overlap are not implemented",
+    ("--kv-offloading-size", "--kv-offloading-backend"): "Atlas keeps the KV cache on the device (preempted "
+                                                         "sequences are recomputed)",
+    ("--data-parallel-backend",): "data-parallel replicas run as Atlas's own processes on one node (-dp N)",
+    ("--stream-interval",): "streams send each engine step's new tokens as soon as they are decoded",
+    ("--enable-tokenizer-info-endpoint",): "GET /tokenizer_info is not implemented (POST /tokenize and /detokenize "
+                                           "are)",
+    ("--log-config-file",): "Atlas configures its own logging (--uvicorn-log-level sets the level)",
+    ("--h11-max-incomplete-event-size", "--h11-max-header-count"): "Atlas bounds requests with its own limits "
+                                                                   "(--header-timeout, --max-request-body-bytes)",
 }
 
 class _Refuse(argparse.Action):
