@@ -12,7 +12,7 @@ from atlas.errors import ConfigError
 
 # vLLM's speculative methods -> Atlas's --speculative (config.SPECULATIVE_METHODS)
 VLLM_SPECULATIVE_METHODS = {"ngram": "ngram", "dflash": "dflash", "mtp": "mtp", "deepseek_mtp": "mtp",
-                       "draft_model": "draft_model", "eagle3": "eagle3"}
+                            "draft_model": "draft_model", "eagle3": "eagle3"}
 # vLLM's speculative-config keys -> Atlas's engine fields
 SPECULATIVE_FIELDS = {"num_speculative_tokens": "num_draft_tokens", "model": "draft_model",
                       "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
@@ -59,10 +59,10 @@ def structured_outputs_fields(config: Any, reasoning_parsers: tuple[str, ...] | 
             raise ConfigError(f"{what}: reasoning_parser {name!r} is not one Atlas has (it has "
                               f"{', '.join(reasoning_parsers)})")
         fields["reasoning_parser"] = name
-    for key in config:
-        takes = "backend, reasoning_parser" if reasoning_parsers is not None else "backend (the reasoning parser is " \
-            "the server's: atlas serve --reasoning-parser)"
-        raise ConfigError(f"{what}: {key!r} is not a setting Atlas implements here (it takes {takes})")
+    if config:
+        takes = ("backend, reasoning_parser" if reasoning_parsers is not None
+                 else "backend; the reasoning parser is the server's: atlas serve --reasoning-parser")
+        raise ConfigError(f"{what}: {next(iter(config))!r} is not a setting Atlas implements here (it takes {takes})")
     return fields
 
 

@@ -75,6 +75,7 @@ REFUSED: dict[tuple[str, ...], str] = {
                                                                    "(--header-timeout, --max-request-body-bytes)",
 }
 
+
 class _Refuse(argparse.Action):
     def __init__(self, option_strings, dest, reason: str = "", **kwargs):
         super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
