@@ -72,3 +72,17 @@ def test_engine_flags_pass_list_and_json_flags_to_the_server_as_it_parses_them()
     served = parse_args(build_parser(), ["serve", *engine_flags(bench)])
     assert EngineConfig.from_cli_args(served) == EngineConfig.from_cli_args(bench)
     assert list(EngineConfig.from_cli_args(served).lora_modules) == ["a=/x", "b=/y"]
+
+
+def test_vllm_bench_serve_names_mean_the_same_load():
+    """`vllm bench serve`'s --num-prompts, --max-concurrency, --random-input-len and --random-output-len are the
+    same settings as Atlas's own names."""
+    from atlas.cli import build_parser, parse_args
+
+    def load(argv):
+        args = parse_args(build_parser(), ["bench", "serve", *argv])
+        return args.num_requests, args.concurrency, args.input_len, args.max_tokens
+
+    assert load(["--num-prompts", "64", "--max-concurrency", "8", "--random-input-len", "128",
+                 "--random-output-len", "32"]) == load(["--num-requests", "64", "--concurrency", "8", "--input-len",
+                                                        "128", "--max-tokens", "32"]) == (64, 8, 128, 32)

@@ -597,25 +597,29 @@ def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
                    help="A running server (loopback only). Default: start `atlas serve` with the engine flags.")
     g.add_argument("--api-key", default=None, help="Bearer key for --url.")
     g.add_argument("--served-model-name", default=None, help="The model field to send (default: none).")
-    g.add_argument("--num-requests", type=int, default=200)
+    g.add_argument("--num-requests", "--num-prompts", type=int, default=200,
+                   help="Requests in all (--num-prompts: vLLM's bench name).")
     g.add_argument("--api-server-count", type=int, default=None, metavar="N",
                    help="HTTP front-end processes of the started server (atlas serve --api-server-count; default: "
                         "its default for this host).")
     g.add_argument("--detokenize-in", choices=("auto", "engine", "front-end"), default="auto",
                    help="Where the started server makes output text (atlas serve --detokenize-in).")
-    g.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
+    g.add_argument("--concurrency", "--max-concurrency", type=int, default=16,
+                   help="Requests in flight at once (--max-concurrency: vLLM's bench name).")
     g.add_argument("--client-processes", type=int, default=1, metavar="K",
                    help="Send the load from K processes (the requests and the concurrency split between them): "
                         "one client process can be what limits a fast server.")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", "--random-output-len", type=int, default=64,
+                   help="Tokens each request generates (--random-output-len: vLLM's bench name).")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="Generate exactly --max-tokens per request (a fixed load).")
     g.add_argument("--prompts", default=None, help="File of prompts, one per line or JSONL with 'prompt'.")
-    g.add_argument("--input-len", type=int, default=None, metavar="N",
+    g.add_argument("--input-len", "--random-input-len", type=int, default=None, metavar="N",
                    help="Prompts of exactly N random token ids instead (one per request, ordinary tokens of the "
-                        "tokenizer, seeded; completions only): vLLM's random dataset, sent as ids.")
+                        "tokenizer, seeded; completions only): vLLM's random dataset, sent as ids "
+                        "(--random-input-len: vLLM's bench name).")
     g.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
     g.add_argument("--max-duration", type=float, default=1800.0, metavar="SECONDS",
                    help="Deadline of the whole run; unfinished requests then count as errors.")
