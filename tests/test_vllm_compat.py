@@ -46,7 +46,8 @@ def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
     # flags that ask for what Atlas does anyway: accepted
-    parse_args(build_parser(), ["serve", "--disable-cascade-attn", "--preemption-mode", "recompute"])
+    parse_args(build_parser(), ["serve", "--disable-cascade-attn", "--preemption-mode", "recompute",
+                                "--enable-tokenizer-info-endpoint"])
     assert "invalid choice" in _error(capsys, ["serve", "--preemption-mode", "swap"])
     # --tokenizer-mode: auto (hf) and deepseek_v32 are what Atlas does; the other modes are refused with the reason
     for mode in ("auto", "hf", "deepseek_v32"):

@@ -68,8 +68,6 @@ REFUSED: dict[tuple[str, ...], str] = {
                                                          "sequences are recomputed)",
     ("--data-parallel-backend",): "data-parallel replicas run as Atlas's own processes on one node (-dp N)",
     ("--stream-interval",): "streams send each engine step's new tokens as soon as they are decoded",
-    ("--enable-tokenizer-info-endpoint",): "GET /tokenizer_info is not implemented (POST /tokenize and /detokenize "
-                                           "are)",
     ("--log-config-file",): "Atlas configures its own logging (--uvicorn-log-level sets the level)",
     ("--h11-max-incomplete-event-size", "--h11-max-header-count"): "Atlas bounds requests with its own limits "
                                                                    "(--header-timeout, --max-request-body-bytes)",
@@ -139,6 +137,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=("recompute",), default=None,
                    help="Accepted as recompute, what Atlas does with a preempted sequence (swap is not "
                         "implemented).")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="Accepted: GET /tokenizer_info is always served (behind --api-key when one is set).")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="Accepted: Atlas always splits long prompts into chunks within --max-num-batched-tokens.")
     g.add_argument("--rope-scaling", action=_ConfigOverride, dest="rope_scaling", default=argparse.SUPPRESS,
