@@ -40,7 +40,7 @@ def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
                         (["serve", "--disable-sliding-window"], "--max-model-len"),
                         (["serve", "--otlp-traces-endpoint", "x"], "OpenTelemetry"),
                         (["serve", "--kv-offloading-size", "8"], "on the device"),
-                        (["serve", "--stream-interval", "4"], "each engine step's new tokens"),
+                        (["serve", "--stream-interval", "4"], "no interval to set"),
                         (["serve", "--enable-dbo"], "dual-batch overlap")):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err

@@ -67,7 +67,8 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--kv-offloading-size", "--kv-offloading-backend"): "Atlas keeps the KV cache on the device (preempted "
                                                          "sequences are recomputed)",
     ("--data-parallel-backend",): "data-parallel replicas run as Atlas's own processes on one node (-dp N)",
-    ("--stream-interval",): "streams send each engine step's new tokens as soon as they are decoded",
+    ("--stream-interval",): "streams send new tokens as soon as the front end reads them (each engine step's, or "
+                            "several steps' at once for a client that falls behind); there is no interval to set",
     ("--log-config-file",): "Atlas configures its own logging (--uvicorn-log-level sets the level)",
     ("--h11-max-incomplete-event-size", "--h11-max-header-count"): "Atlas bounds requests with its own limits "
                                                                    "(--header-timeout, --max-request-body-bytes)",
