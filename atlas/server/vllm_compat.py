@@ -63,7 +63,8 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--tokenizer-pool-size",): "tokenization runs in the front ends' pools (--api-server-count)",
     ("--mm-encoder-tp-mode",): "multimodal inputs are not supported",
     ("--all2all-backend", "--enable-dbo", "--dbo-decode-token-threshold", "--dbo-prefill-token-threshold"):
-        "expert-parallel all-to-all backends and dual-batch overlap are not implemented",
+        "Atlas's expert parallelism (--enable-expert-parallel) sums the experts' outputs with one all-reduce, no "
+        "all-to-all to choose a backend for; dual-batch overlap is not implemented",
     ("--kv-offloading-size", "--kv-offloading-backend"): "Atlas keeps the KV cache on the device (preempted "
                                                          "sequences are recomputed)",
     ("--data-parallel-backend",): "data-parallel replicas run as Atlas's own processes on one node (-dp N)",
