@@ -97,7 +97,7 @@ def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("compilation_config is a vLLM setting that Atlas does not implement: Atlas captures CUDA "
                           "graphs itself (enforce_eager=True turns them off; optimization_level=0 is the same)")
     for key, value in translated.items():
-        if key in kwargs and kwargs[key] != value and not (key == "enforce_eager" and kwargs[key]):
+        if key in kwargs and kwargs[key] != value:
             raise ConfigError(f"{key}={kwargs[key]!r} and the vLLM setting that means {key}={value!r}: give one")
         kwargs.setdefault(key, value)
     return kwargs

@@ -47,6 +47,9 @@ MAX_JSON_INDENT = 32
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Variables the renderer sets itself; extra keyword arguments may not repeat them.
 RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+# chat_template_kwargs that a chat's own fields or arguments set (the renderer's variables, and continue_final_message,
+# the renderer's argument): refused in chat_template_kwargs.
+RESERVED_KWARGS = (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message")
 
 
 @dataclass(frozen=True)

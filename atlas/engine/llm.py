@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from atlas.config import EngineConfig
 from atlas.engine.beam_search import BeamSearch, advance_all, step_params, step_work
 from atlas.engine.chat_content import check_content, content_for_template, content_format
-from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
+from atlas.engine.chat_template import RESERVED_KWARGS
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
@@ -207,7 +207,7 @@ class LLM:
             raise InvalidRequestError("mm_processor_kwargs: multimodal inputs are not supported",
                                       param="mm_processor_kwargs")
         template_kwargs = dict(chat_template_kwargs or {})
-        for name in (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message", "chat_template"):
+        for name in (*RESERVED_KWARGS, "chat_template"):
             if name in template_kwargs:
                 raise InvalidRequestError(f"chat_template_kwargs.{name}: set by chat()'s own parameter (or not "
                                           "supported); leave it out of chat_template_kwargs",

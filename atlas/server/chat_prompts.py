@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from atlas.engine.chat_content import content_format
-from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
+from atlas.engine.chat_template import RESERVED_KWARGS
 from atlas.errors import InvalidRequestError, PromptTooLongError
 from atlas.sampling_params import StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
@@ -27,11 +27,6 @@ def heavy_chat(req: Any) -> bool:
     return (getattr(req, "chat_template", None) is not None or len(messages) > HEAVY_MESSAGES
             or len(getattr(req, "tools", None) or []) > HEAVY_TOOLS
             or sum(len(m.text()) for m in messages) > HEAVY_CHARS)
-
-
-# chat_template_kwargs that the request's own fields set (the renderer's variables, and continue_final_message, which
-# is the renderer's argument): refused in chat_template_kwargs.
-RESERVED_KWARGS = (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message")
 
 
 def template_and_kwargs(settings: ServerSettings, chat_template: str | None, kwargs: dict[str, Any] | None,

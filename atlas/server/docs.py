@@ -10,9 +10,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from atlas.engine.chat_template import RESERVED_KWARGS
 from atlas.server import protocol as P
 from atlas.server import responses as R
-from atlas.server.chat_prompts import RESERVED_KWARGS
 
 # /docs: Swagger UI from the CDN at one pinned release, each file with its subresource-integrity hash (the sha384
 # of that file in the swagger-ui-dist npm package of this version), so that a browser runs no other code than

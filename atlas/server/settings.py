@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
+from atlas.engine.chat_template import RESERVED_KWARGS
 from atlas.server.browsers import parse_list
 from atlas.server.output_parsers import HARMONY_REASONING, REASONING_PARSERS, TOOL_PARSERS
 
@@ -114,7 +114,7 @@ class ServerSettings:
         if not isinstance(self.default_chat_template_kwargs, dict):
             raise ValueError("--default-chat-template-kwargs must be a JSON object of template variables, e.g. "
                              "'{\"enable_thinking\": false}'")
-        for name in (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message", "chat_template"):
+        for name in (*RESERVED_KWARGS, "chat_template"):
             if name in self.default_chat_template_kwargs:
                 raise ValueError(f"--default-chat-template-kwargs: {name!r} is set per request (the messages, "
                                  "their options, the template), not as a default template variable; leave it out")
